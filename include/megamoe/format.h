@@ -1,0 +1,88 @@
+// NVFP4 numerics (DESIGN.md §2, normative): e2m1 elements, ue4m3 block scales (one per 16
+// elements along K), the fp32 per-tensor global scale, and MXFP4's ue8m0 block-32 scales.
+// Host code only; device decoders live in src/kernels/common.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+namespace megamoe::format {
+
+inline constexpr int kNvfp4BlockSize = 16;  // elements per ue4m3 scale, along K
+inline constexpr int kMxfp4BlockSize = 32;  // elements per ue8m0 scale, along K
+inline constexpr float kE2m1Max = 6.0f;
+inline constexpr float kE4m3Max = 448.0f;
+// ModelOpt's global-scale divisor: 6 (e2m1 max) * 448 (e4m3 max).
+inline constexpr float kNvfp4GlobalDivisor = 2688.0f;
+
+// ---- E2M1: code bits [3]=sign, [2:1]=exponent, [0]=mantissa; |v| in {0,.5,1,1.5,2,3,4,6}.
+float e2m1_to_f32(uint8_t code);  // code & 0xF is used
+// Round-to-nearest-even onto the e2m1 grid, saturating at +-6 (infinities too). The sign bit
+// follows the input's (so -0 and tiny negatives give 0x8). NaN has no e2m1 code: callers reject
+// it first; the function maps it to +0 to stay total.
+uint8_t f32_to_e2m1(float x);
+
+// ---- E4M3 (float8_e4m3fn): bias 7, no infinities, 0x7F/0xFF NaN, max 448, min subnormal 2^-9.
+float e4m3_to_f32(uint8_t code);  // exact, subnormals included; NaN codes give quiet NaN
+// RNE, saturating to +-448 (finite inputs above 448 and +-inf give +-448); NaN gives 0x7F.
+uint8_t f32_to_e4m3(float x);
+// UE4M3 block scale: an e4m3 byte that must be finite and non-negative (sign bit clear, not
+// 0x7F). Returns false for an invalid scale byte.
+bool ue4m3_is_valid(uint8_t code);
+
+// ---- E5M2 (float8_e5m2): IEEE-like, bias 15, with inf and NaN.
+float e5m2_to_f32(uint8_t code);
+
+// ---- UE8M0 (MXFP4 block-32 scale): value 2^(code-127); 0xFF is NaN.
+float ue8m0_to_f32(uint8_t code);
+
+// ---- Nibble packing: element 2j in the low nibble of byte j, element 2j+1 in the high nibble.
+inline uint8_t pack_e2m1_pair(uint8_t even, uint8_t odd) {
+  return static_cast<uint8_t>((even & 0xF) | ((odd & 0xF) << 4));
+}
+inline uint8_t e2m1_code_at(const uint8_t* packed, int64_t index) {
+  const uint8_t b = packed[index >> 1];
+  return (index & 1) ? static_cast<uint8_t>(b >> 4) : static_cast<uint8_t>(b & 0xF);
+}
+
+// A 2-D NVFP4 weight [N, K] as stored in a ModelOpt checkpoint (views, not owning).
+struct Nvfp4View {
+  int64_t rows = 0;             // N (output features)
+  int64_t cols = 0;             // K (input features), a multiple of 16
+  const uint8_t* codes = nullptr;   // [N, K/2] packed e2m1
+  const uint8_t* scales = nullptr;  // [N, K/16] ue4m3
+  float global_scale = 1.0f;        // weight_scale_2
+};
+
+// ModelOpt weight recipe (DESIGN.md §2), bit for bit:
+//   s2 = amax(|W|)/2688 (s2 = 1 if amax == 0); per block b = amax_block/(6*s2), 1.0 where the
+//   block is all zero, clamped to [2^-9, 448], rounded to e4m3 (RNE); code = e2m1_rne(x/(b*s2)).
+// `w` is row-major [rows, cols] fp32 (callers widen bf16/f16 exactly first); cols % 16 == 0.
+// Outputs: codes [rows, cols/2], scales [rows, cols/16]. Returns weight_scale_2.
+// Throws megamoe::Error(kInvalidArgument) on non-finite input or bad shapes.
+float quantize_weight_modelopt(std::span<const float> w, int64_t rows, int64_t cols,
+                               std::span<uint8_t> codes, std::span<uint8_t> scales);
+// Same, with the global scale given (e.g. computed from amax over a tensor streamed in parts).
+void quantize_weight_with_global_scale(std::span<const float> w, int64_t rows, int64_t cols,
+                                       float global_scale, std::span<uint8_t> codes,
+                                       std::span<uint8_t> scales);
+// s2 = amax/2688, or 1 where amax == 0.
+float modelopt_global_scale(float amax);
+
+// w[n,k] = e2m1(code) * ue4m3(scale) * global_scale, in fp32 (exact product, one rounding).
+void dequantize(const Nvfp4View& w, std::span<float> out);
+
+// Activation recipe (DESIGN.md §2): gs = 2688/amax (or the reciprocal of a static input_scale);
+// sf = e4m3_rne(gs*amax_block/6) saturating at 448; element = e2m1_rne(x*gs/sf) (0 where sf==0).
+// x is [rows, cols], cols % 16 == 0. Outputs codes [rows, cols/2], scales [rows, cols/16].
+void quantize_activation(std::span<const float> x, int64_t rows, int64_t cols, float gs,
+                         std::span<uint8_t> codes, std::span<uint8_t> scales);
+// x_hat = e2m1 * sf / gs.
+void dequantize_activation(std::span<const uint8_t> codes, std::span<const uint8_t> scales,
+                           int64_t rows, int64_t cols, float gs, std::span<float> out);
+
+// MXFP4: e2m1 codes with one ue8m0 scale per 32 elements along K: w = e2m1 * 2^(s-127).
+void dequantize_mxfp4(std::span<const uint8_t> codes, std::span<const uint8_t> scales,
+                      int64_t rows, int64_t cols, std::span<float> out);
+
+}  // namespace megamoe::format
