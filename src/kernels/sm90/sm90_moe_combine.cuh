@@ -1,0 +1,56 @@
+// Final combine: fp32 [T, H] -> bf16 output, one rounding. Atomic mode reads the accumulator the
+// L2 epilogue added into; deterministic mode sums the per-slot results in top-k order (then the
+// shared-expert slices), so runs are bitwise identical.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cstdint>
+
+namespace megamoe::kernels::sm90 {
+
+struct CombineParams {
+  const float* out_acc;        // (T, H) fp32, atomic mode
+  const float* y_slot;         // (S, H) fp32, deterministic mode (nullptr otherwise)
+  const int32_t* token_slot;   // (T, slots_per_token)
+  const float* slot_weight;    // (S)
+  int32_t slots_per_token;
+  int64_t tokens;
+  int64_t hidden;              // H, a multiple of 8
+  __nv_bfloat16* out;          // (T, H)
+};
+
+// One thread per 8 consecutive outputs (32-byte fp32 reads, 16-byte bf16 writes).
+__global__ void __launch_bounds__(256) moe_combine_kernel(CombineParams p) {
+  const int64_t vecs_per_row = p.hidden / 8;
+  const int64_t total = p.tokens * vecs_per_row;
+  for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < total;
+       v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = v / vecs_per_row;
+    const int64_t h = (v % vecs_per_row) * 8;
+    float sum[8];
+    if (p.y_slot == nullptr) {
+      const float4* src = reinterpret_cast<const float4*>(p.out_acc + t * p.hidden + h);
+      const float4 a = src[0], b = src[1];
+      sum[0] = a.x; sum[1] = a.y; sum[2] = a.z; sum[3] = a.w;
+      sum[4] = b.x; sum[5] = b.y; sum[6] = b.z; sum[7] = b.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum[i] = 0.0f;
+      for (int j = 0; j < p.slots_per_token; ++j) {
+        const int32_t slot = p.token_slot[t * p.slots_per_token + j];
+        if (slot < 0) continue;  // an invalid expert id: skipped (and counted by dispatch)
+        const float w = p.slot_weight[slot];
+        const float4* src = reinterpret_cast<const float4*>(p.y_slot + static_cast<int64_t>(slot) * p.hidden + h);
+        const float4 a = src[0], b = src[1];
+        sum[0] += a.x * w; sum[1] += a.y * w; sum[2] += a.z * w; sum[3] += a.w * w;
+        sum[4] += b.x * w; sum[5] += b.y * w; sum[6] += b.z * w; sum[7] += b.w * w;
+      }
+    }
+    __align__(16) __nv_bfloat16 res[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) res[i] = __float2bfloat16_rn(sum[i]);
+    *reinterpret_cast<uint4*>(p.out + t * p.hidden + h) = *reinterpret_cast<const uint4*>(res);
+  }
+}
+
+}  // namespace megamoe::kernels::sm90

@@ -1,0 +1,308 @@
+// Hopper W4A16 grouped GEMM over MoE experts: NVFP4 weights decoded in registers feed bf16
+// `wgmma` (A from registers), tokens stream through a cp.async multi-stage shared-memory
+// pipeline (B, K-major, 128-byte swizzle). Two epilogues:
+//   L1: acc = x · W13ᵀ, gate/up rows interleaved per thread -> s2 scales, clamp, SwiGLU, bf16
+//       intermediate a[slot, I];
+//   L2: acc = a · W2ᵀ -> s2 * routing weight, atomically added to an fp32 [T, H] accumulator,
+//       or (deterministic) stored per slot for a fixed-order combine.
+// Persistent CTAs walk the (expert, m-block, n-tile) work list built by the dispatch kernel.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cstdint>
+#include <utility>
+
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+#include "kernels/common/nvfp4_decode.cuh"
+#include "kernels/sm90/sm90_w4a16_layout.h"
+
+namespace megamoe::kernels::sm90 {
+
+struct W4a16GemmParams {
+  // Prepacked weights of all (virtual) experts: expert e starts at e * *_expert_stride bytes.
+  const uint8_t* codes;
+  const uint8_t* scales;
+  int64_t code_expert_stride;
+  int64_t scale_expert_stride;
+  int32_t m_tiles;    // 64-row tiles per expert
+  int32_t k_chunks;   // 64-wide K chunks (K / 64)
+  const float* s2_a;  // per expert: L1 gate global scale; L2 down global scale
+  const float* s2_b;  // per expert: L1 up global scale (unused in L2)
+  // B operand source rows: L1 gathers hidden[slot_token[slot]], L2 reads act[slot].
+  const __nv_bfloat16* b_src;
+  int64_t b_ld;       // elements per row (= K)
+  // Schedule from the dispatch kernel.
+  const int32_t* expert_offsets;  // (E' + 1)
+  const int32_t* tile_offsets;    // (E' + 1)
+  int32_t num_experts;            // E' (virtual)
+  const int32_t* slot_token;
+  const float* slot_weight;
+  // L1 output: act (S, I) bf16; L2 outputs: out_acc (T, H) fp32 or y_slot (S, H) fp32.
+  __nv_bfloat16* act;
+  int64_t act_ld;
+  float* out_acc;
+  float* y_slot;
+  int64_t out_ld;
+  float swiglu_limit;  // +inf when there is no clamp
+};
+
+namespace detail {
+
+// wgmma m64nNk16 bf16 -> f32 with A from registers, B K-major in shared memory.
+template <int N> struct WgmmaRS;
+#define MEGAMOE_WGMMA_RS(N)                                                                  \
+  template <> struct WgmmaRS<N> {                                                            \
+    using Op = cute::SM90::GMMA::MMA_64x##N##x16_F32BF16BF16_RS<cute::SM90::GMMA::Major::K,  \
+                                                                 cute::SM90::GMMA::Major::K>; \
+  };
+MEGAMOE_WGMMA_RS(16)
+MEGAMOE_WGMMA_RS(32)
+MEGAMOE_WGMMA_RS(64)
+MEGAMOE_WGMMA_RS(128)
+#undef MEGAMOE_WGMMA_RS
+
+template <class Op, size_t... I>
+__device__ __forceinline__ void wgmma_rs(const uint32_t (&a)[4], uint64_t desc_b,
+                                         float (&d)[sizeof...(I)], std::index_sequence<I...>) {
+  Op::fma(a[0], a[1], a[2], a[3], desc_b, d[I]...);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <class T>
+__device__ __forceinline__ void keep_in_register(T& r) {
+  if constexpr (sizeof(T) == 4) asm volatile("" : "+r"(*reinterpret_cast<uint32_t*>(&r)) :: "memory");
+}
+__device__ __forceinline__ void keep_in_register(float& r) { asm volatile("" : "+f"(r) :: "memory"); }
+
+// Shared-memory matrix descriptor for a K-major bf16 tile with 128-byte swizzle: rows of 64
+// elements (128 B), 8-row atoms of 1024 B stacked along N (stride byte offset 1024).
+__device__ __forceinline__ uint64_t make_sw128_desc(const void* smem) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  uint64_t desc = 0;
+  desc |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);  // start address, 16-byte units
+  desc |= static_cast<uint64_t>(1) << 16;                 // leading byte offset (unused: SW128 K-major)
+  desc |= static_cast<uint64_t>(1024 >> 4) << 32;         // stride byte offset: next 8-row atom
+  desc |= static_cast<uint64_t>(1) << 62;                 // layout: 128-byte swizzle
+  return desc;
+}
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               :: "r"(dst), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+
+}  // namespace detail
+
+// Shared-memory footprint of one configuration (host and device agree through this).
+template <int kWarpgroups, int kBlockN, int kStages>
+struct W4a16SmemLayout {
+  static constexpr int kBTileBytes = kBlockN * w4a16::kChunkK * 2;  // (BLOCK_N, 64) bf16
+  static constexpr int kCodeStageBytes = kWarpgroups * w4a16::kCodeBytesPerTile;
+  static constexpr int kScaleStageBytes = kWarpgroups * w4a16::kScaleBytesPerTile;
+  static constexpr int kBOffset = 0;
+  static constexpr int kCodeOffset = kBOffset + kStages * kBTileBytes;
+  static constexpr int kScaleOffset = kCodeOffset + kStages * kCodeStageBytes;
+  static constexpr int kRowPtrOffset = kScaleOffset + kStages * kScaleStageBytes;
+  static constexpr int kBytes = kRowPtrOffset + kBlockN * 8;
+  static constexpr int kAllocBytes = kBytes + 1024;  // room to align the base to 1024 B
+  static_assert(kBTileBytes % 1024 == 0,
+                "BLOCK_N must be a multiple of 8 so each B stage is whole 1024-byte swizzle atoms");
+};
+
+template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages>
+__global__ void __launch_bounds__(kWarpgroups * w4a16::kThreadsPerWarpgroup, 1)
+w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
+  using namespace w4a16;
+  using Smem = W4a16SmemLayout<kWarpgroups, kBlockN, kStages>;
+  using Op = typename detail::WgmmaRS<kBlockN>::Op;
+  static_assert(kStages >= 2, "the cp.async pipeline needs at least 2 stages");
+  static_assert(!kIsL1 || kBlockN % 8 == 0, "");
+  constexpr int kThreads = kWarpgroups * kThreadsPerWarpgroup;
+  constexpr int kAcc = kBlockN / 2;  // fp32 accumulators per thread: (64, BLOCK_N) / 128
+
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const __nv_bfloat16** row_ptr = reinterpret_cast<const __nv_bfloat16**>(smem + Smem::kRowPtrOffset);
+
+  const int tid = threadIdx.x;
+  const int wg = tid / kThreadsPerWarpgroup;   // which 64-row tile of the block
+  const int wtid = tid % kThreadsPerWarpgroup; // thread in warpgroup
+  const int warp = wtid / 32, lane = wtid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int total_work = p.tile_offsets[p.num_experts];
+
+  for (int work = blockIdx.x; work < total_work; work += gridDim.x) {
+    // Find the expert whose tile range holds `work` (binary search over the prefix).
+    int lo = 0, hi = p.num_experts;
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (p.tile_offsets[mid] <= work) lo = mid; else hi = mid;
+    }
+    const int e = lo;
+    // Consecutive work items share an m-block (the same weights) across n-tiles, so CTAs that
+    // run together hit the same weight bytes in L2.
+    const int local = work - p.tile_offsets[e];
+    const int n_tiles = (p.expert_offsets[e + 1] - p.expert_offsets[e] + kBlockN - 1) / kBlockN;
+    const int n_tile = local % n_tiles;
+    const int m_block = local / n_tiles;
+    const int slot_begin = p.expert_offsets[e] + n_tile * kBlockN;
+    const int slot_end = p.expert_offsets[e + 1];
+    const int m_tile = m_block * kWarpgroups + wg;
+
+    __syncthreads();  // the previous work item is done with row_ptr and every stage
+    for (int c = tid; c < kBlockN; c += kThreads) {
+      const int slot = slot_begin + c;
+      const __nv_bfloat16* row = nullptr;
+      if (slot < slot_end) {
+        const int64_t src_row = kIsL1 ? p.slot_token[slot] : slot;
+        row = p.b_src + src_row * p.b_ld;
+      }
+      row_ptr[c] = row;
+    }
+    __syncthreads();
+
+    const uint8_t* codes = p.codes + e * p.code_expert_stride +
+                           static_cast<int64_t>(m_block * kWarpgroups) * p.k_chunks * kCodeBytesPerTile;
+    const uint8_t* scales = p.scales + e * p.scale_expert_stride +
+                            static_cast<int64_t>(m_block * kWarpgroups) * p.k_chunks * kScaleBytesPerTile;
+
+    auto load_chunk = [&](int kc, int stage) {
+      // A: each thread copies its own 16 code bytes; 16 threads per warpgroup copy the scales.
+      {
+        const uint8_t* src = codes + (static_cast<int64_t>(wg) * p.k_chunks + kc) * kCodeBytesPerTile + wtid * 16;
+        detail::cp_async_16(smem + Smem::kCodeOffset + stage * Smem::kCodeStageBytes +
+                                wg * kCodeBytesPerTile + wtid * 16, src, true);
+        if (wtid < kScaleBytesPerTile / 16) {
+          const uint8_t* ssrc = scales + (static_cast<int64_t>(wg) * p.k_chunks + kc) * kScaleBytesPerTile + wtid * 16;
+          detail::cp_async_16(smem + Smem::kScaleOffset + stage * Smem::kScaleStageBytes +
+                                  wg * kScaleBytesPerTile + wtid * 16, ssrc, true);
+        }
+      }
+      // B: (BLOCK_N, 64) bf16, 8 16-byte pieces per row, piece c of row r stored at c ^ (r % 8).
+      uint8_t* b_stage = smem + Smem::kBOffset + stage * Smem::kBTileBytes;
+      for (int i = tid; i < kBlockN * 8; i += kThreads) {
+        const int r = i / 8, c = i % 8;
+        const __nv_bfloat16* row = row_ptr[r];
+        const bool valid = row != nullptr;
+        const void* src = valid ? static_cast<const void*>(row + kc * kChunkK + c * 8)
+                                : static_cast<const void*>(p.b_src);
+        detail::cp_async_16(b_stage + r * 128 + ((c ^ (r & 7)) * 16), src, valid);
+      }
+    };
+
+    float acc[kAcc];
+#pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < p.k_chunks) load_chunk(s, s);
+      detail::cp_async_commit();
+    }
+
+    for (int kc = 0; kc < p.k_chunks; ++kc) {
+      const int stage = kc % kStages;
+      detail::cp_async_wait<kStages - 2>();
+      // cp.async writes are generic-proxy writes; wgmma reads B through the async proxy.
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      __syncthreads();  // chunk kc visible to all; everyone is done with chunk kc - 1
+      {
+        const int next = kc + kStages - 1;
+        if (next < p.k_chunks) load_chunk(next, next % kStages);
+        detail::cp_async_commit();
+      }
+
+      const uint4 q = *reinterpret_cast<const uint4*>(
+          smem + Smem::kCodeOffset + stage * Smem::kCodeStageBytes + wg * kCodeBytesPerTile + wtid * 16);
+      const uint2 sc = *reinterpret_cast<const uint2*>(
+          smem + Smem::kScaleOffset + stage * Smem::kScaleStageBytes + wg * kScaleBytesPerTile + (warp * 8 + g) * 8);
+      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+      const uint32_t scale_pairs[2] = {sc.x, sc.y};
+      uint32_t a[kStepsPerChunk][4];
+#pragma unroll
+      for (int s = 0; s < kStepsPerChunk; ++s) {
+        // (scale of row r0, scale of row r0 + 8) for k-block s of this chunk.
+        const float2 sf = ue4m3x2_to_float2(static_cast<uint16_t>(scale_pairs[s / 2] >> (16 * (s % 2))));
+        const uint32_t s_r0 = bf16x2_splat(sf.x), s_r1 = bf16x2_splat(sf.y);
+        uint32_t v[4];
+        decode_e2m1x8(words[s], v);
+        a[s][0] = bf16x2_mul(v[0], s_r0);  // (r0, k 2t..2t+1)
+        a[s][1] = bf16x2_mul(v[1], s_r1);  // (r1, k 2t..2t+1)
+        a[s][2] = bf16x2_mul(v[2], s_r0);  // (r0, k 2t+8..2t+9)
+        a[s][3] = bf16x2_mul(v[3], s_r1);  // (r1, k 2t+8..2t+9)
+      }
+      const uint8_t* b_stage = smem + Smem::kBOffset + stage * Smem::kBTileBytes;
+      const uint64_t desc = detail::make_sw128_desc(b_stage);
+      detail::wgmma_fence();
+#pragma unroll
+      for (int s = 0; s < kStepsPerChunk; ++s) {
+        // k16 step s starts 32 bytes further along the swizzled 128-byte rows.
+        detail::wgmma_rs<Op>(a[s], desc + static_cast<uint64_t>(s * 2), acc, std::make_index_sequence<kAcc>{});
+      }
+      detail::wgmma_commit();
+      detail::wgmma_wait_all();
+      // The A registers are read asynchronously by wgmma: keep them alive until it is done.
+#pragma unroll
+      for (int s = 0; s < kStepsPerChunk; ++s)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) detail::keep_in_register(a[s][j]);
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) detail::keep_in_register(acc[i]);
+    }
+    detail::cp_async_wait<0>();
+
+    // Epilogue. acc[4i + 2h + c] = (row r0 + 8h, column 8i + 2t + c).
+    if constexpr (kIsL1) {
+      const float s2_gate = p.s2_a[e], s2_up = p.s2_b[e];
+      const int64_t col_j = w13_intermediate_column(m_tile, warp * 16 + g);
+#pragma unroll
+      for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int slot = slot_begin + 8 * i + 2 * t + c;
+          if (slot < slot_end) {
+            float gate = acc[4 * i + c] * s2_gate;
+            float up = acc[4 * i + 2 + c] * s2_up;
+            gate = fminf(gate, p.swiglu_limit);
+            up = fminf(fmaxf(up, -p.swiglu_limit), p.swiglu_limit);
+            p.act[static_cast<int64_t>(slot) * p.act_ld + col_j] = __float2bfloat16_rn(detail::silu(gate) * up);
+          }
+        }
+      }
+    } else {
+      const float s2 = p.s2_a[e];
+      const int64_t row0 = static_cast<int64_t>(m_tile) * kTileM + warp * 16 + g;
+#pragma unroll
+      for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          const int slot = slot_begin + 8 * i + 2 * t + c;
+          if (slot < slot_end) {
+            if (p.y_slot != nullptr) {
+              float* y = p.y_slot + static_cast<int64_t>(slot) * p.out_ld + row0;
+              y[0] = acc[4 * i + c] * s2;
+              y[8] = acc[4 * i + 2 + c] * s2;
+            } else {
+              // Same order as the semantics: y = acc * s2, then times the routing weight.
+              const float w = p.slot_weight[slot];
+              float* o = p.out_acc + static_cast<int64_t>(p.slot_token[slot]) * p.out_ld + row0;
+              atomicAdd(o, (acc[4 * i + c] * s2) * w);
+              atomicAdd(o + 8, (acc[4 * i + 2 + c] * s2) * w);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace megamoe::kernels::sm90

@@ -1,0 +1,43 @@
+// The configuration heuristic: a pure function of the problem and the token count.
+//
+// The tile's N side is tokens. Few tokens per expert (decode) means the layer streams weights:
+// a narrow N (16) keeps the accumulator and the B stage small so deep pipelines (8 stages) and
+// several CTAs per SM keep enough weight bytes in flight. Many tokens per expert (prefill)
+// means MMA-bound: two consumer warpgroups share a 128-token B tile, halving the B traffic per
+// decoded weight and giving the tensor cores long wgmma runs.
+#include <sstream>
+
+#include "megamoe/runtime.h"
+
+namespace megamoe {
+
+std::string GemmConfig::to_string() const {
+  std::ostringstream os;
+  os << "BLOCK_M=" << 64 * warpgroups << " BLOCK_N=" << block_n << " stages=" << stages;
+  return os.str();
+}
+
+std::string MoeConfig::to_string() const {
+  return "L1{" + l1.to_string() + "} L2{" + l2.to_string() + "}";
+}
+
+MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens) {
+  // Average rows of B per routed expert.
+  const double per_expert = problem.num_experts > 0
+                                ? static_cast<double>(tokens) * problem.top_k / problem.num_experts
+                                : 0.0;
+  GemmConfig decode{1, 16, 8};
+  GemmConfig middle{1, 64, 6};
+  GemmConfig prefill{2, 128, 4};
+  auto pick = [&](int64_t m_tiles) {
+    if (per_expert <= 16) return decode;
+    if (per_expert <= 64 || m_tiles % 2 != 0) return middle;
+    return prefill;
+  };
+  MoeConfig cfg;
+  cfg.l1 = pick(2 * problem.intermediate_size / 64);
+  cfg.l2 = pick(problem.hidden_size / 64);
+  return cfg;
+}
+
+}  // namespace megamoe

@@ -1,0 +1,418 @@
+// MoePlan, device weights and run(): the host side of the sm90 W4A16 MoE pipeline
+//   dispatch -> L1 grouped GEMM (+SwiGLU) -> L2 grouped GEMM (+combine) -> bf16 output.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "kernels/sm90/sm90_moe_combine.cuh"
+#include "kernels/sm90/sm90_moe_dispatch.cuh"
+#include "kernels/sm90/sm90_w4a16_grouped_gemm.cuh"
+#include "megamoe/gpu.h"
+#include "megamoe/runtime.h"
+#include "megamoe/status.h"
+#include "runtime/sm90_w4a16_prepack.h"
+
+namespace megamoe {
+
+using gpu::check_cuda;
+namespace k90 = kernels::sm90;
+
+// ------------------------------------------------------------------------------------------
+// Problem
+
+MoeProblem MoeProblem::from_layer(const MoeLayer& layer, int64_t max_tokens) {
+  MoeProblem p;
+  p.hidden_size = layer.hidden_size;
+  p.intermediate_size = layer.intermediate_size;
+  p.num_experts = layer.num_experts;
+  p.top_k = layer.routing.top_k;
+  p.shared_intermediate_size = layer.shared_expert ? layer.shared_expert->intermediate_size() : 0;
+  p.max_tokens = max_tokens;
+  p.swiglu_limit = layer.swiglu_limit;
+  return p;
+}
+
+namespace {
+
+int64_t shared_chunks(const MoeProblem& p) {
+  return p.shared_intermediate_size / std::max<int64_t>(p.intermediate_size, 1);
+}
+int64_t virtual_experts(const MoeProblem& p) { return p.num_experts + shared_chunks(p); }
+int64_t slots_per_token(const MoeProblem& p) { return p.top_k + shared_chunks(p); }
+
+void validate_problem(const MoeProblem& p) {
+  MEGAMOE_CHECK(p.hidden_size > 0 && p.hidden_size % 64 == 0, kUnsupported,
+                "MoePlan: hidden_size = ", p.hidden_size,
+                " is not supported; the sm90 kernels need a positive multiple of 64");
+  MEGAMOE_CHECK(p.intermediate_size > 0 && p.intermediate_size % 64 == 0, kUnsupported,
+                "MoePlan: intermediate_size = ", p.intermediate_size,
+                " is not supported; the sm90 kernels need a positive multiple of 64");
+  MEGAMOE_CHECK(p.num_experts >= 1 && p.num_experts <= 1024, kUnsupported,
+                "MoePlan: num_experts = ", p.num_experts, " is outside the supported 1..1024");
+  MEGAMOE_CHECK(p.top_k >= 1 && p.top_k <= std::min<int64_t>(p.num_experts, 16), kInvalidArgument,
+                "MoePlan: top_k = ", p.top_k, " must be in 1..min(num_experts, 16)");
+  MEGAMOE_CHECK(p.shared_intermediate_size >= 0 &&
+                    p.shared_intermediate_size % p.intermediate_size == 0 &&
+                    shared_chunks(p) <= 8,
+                kUnsupported, "MoePlan: shared_intermediate_size = ", p.shared_intermediate_size,
+                " must be 0 or a multiple (at most 8x) of intermediate_size = ",
+                p.intermediate_size);
+  MEGAMOE_CHECK(p.max_tokens >= 0 && p.max_tokens <= (int64_t{1} << 20), kInvalidArgument,
+                "MoePlan: max_tokens = ", p.max_tokens, " must be in 0..1048576");
+  MEGAMOE_CHECK(p.max_tokens * slots_per_token(p) < std::numeric_limits<int32_t>::max(),
+                kInvalidArgument, "MoePlan: max_tokens * (top_k + shared slices) overflows int32");
+  MEGAMOE_CHECK(!p.swiglu_limit || (std::isfinite(*p.swiglu_limit) && *p.swiglu_limit > 0),
+                kInvalidArgument, "MoePlan: swiglu_limit must be finite and positive");
+}
+
+// Workspace: every region 256-byte aligned, sized for max_tokens.
+struct WorkspaceLayout {
+  size_t expert_offsets, l1_tiles, l2_tiles, invalid, slot_token, slot_weight, token_slot, act,
+      out_acc, y_slot, total;
+};
+WorkspaceLayout workspace_layout(const MoeProblem& p) {
+  WorkspaceLayout w{};
+  size_t off = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off += (bytes + 255) / 256 * 256;
+    return at;
+  };
+  const size_t ev = static_cast<size_t>(virtual_experts(p)) + 1;
+  const size_t slots = static_cast<size_t>(p.max_tokens * slots_per_token(p));
+  w.expert_offsets = take(ev * 4);
+  w.l1_tiles = take(ev * 4);
+  w.l2_tiles = take(ev * 4);
+  w.invalid = take(4);
+  w.slot_token = take(slots * 4);
+  w.slot_weight = take(slots * 4);
+  w.token_slot = take(slots * 4);
+  w.act = take(slots * static_cast<size_t>(p.intermediate_size) * 2);
+  w.out_acc = p.deterministic ? off : take(static_cast<size_t>(p.max_tokens * p.hidden_size) * 4);
+  w.y_slot = p.deterministic ? take(slots * static_cast<size_t>(p.hidden_size) * 4) : off;
+  w.total = off;
+  return w;
+}
+
+template <class T>
+T* at(void* base, size_t offset) {
+  return reinterpret_cast<T*>(static_cast<uint8_t*>(base) + offset);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------------------------------
+// Device weights
+
+struct MoeDeviceWeights::Impl {
+  MoeProblem shape;  // hidden, intermediate, experts, shared (max_tokens unused)
+  uint8_t* w13_codes = nullptr;
+  uint8_t* w13_scales = nullptr;
+  uint8_t* w2_codes = nullptr;
+  uint8_t* w2_scales = nullptr;
+  float* s2 = nullptr;  // [3][E']: gate, up, down
+  int64_t w13_code_stride = 0, w13_scale_stride = 0, w2_code_stride = 0, w2_scale_stride = 0;
+  size_t bytes = 0;
+  ~Impl() {
+    for (void* ptr : {static_cast<void*>(w13_codes), static_cast<void*>(w13_scales),
+                      static_cast<void*>(w2_codes), static_cast<void*>(w2_scales),
+                      static_cast<void*>(s2)}) {
+      if (ptr) cudaFree(ptr);
+    }
+  }
+};
+
+MoeDeviceWeights::MoeDeviceWeights() : impl_(std::make_unique<Impl>()) {}
+MoeDeviceWeights::MoeDeviceWeights(MoeDeviceWeights&&) noexcept = default;
+MoeDeviceWeights& MoeDeviceWeights::operator=(MoeDeviceWeights&&) noexcept = default;
+MoeDeviceWeights::~MoeDeviceWeights() = default;
+size_t MoeDeviceWeights::device_bytes() const { return impl_->bytes; }
+
+MoeDeviceWeights MoeDeviceWeights::upload(const MoeLayer& layer, cudaStream_t stream) {
+  layer.validate();
+  MoeProblem shape = MoeProblem::from_layer(layer, 0);
+  validate_problem(shape);
+  const int64_t H = layer.hidden_size, I = layer.intermediate_size;
+  const int64_t E = layer.num_experts, chunks = shared_chunks(shape), EV = E + chunks;
+
+  MoeDeviceWeights out;
+  Impl& w = *out.impl_;
+  w.shape = shape;
+  w.w13_code_stride = runtime::prepacked_code_bytes(2 * I, H);
+  w.w13_scale_stride = runtime::prepacked_scale_bytes(2 * I, H);
+  w.w2_code_stride = runtime::prepacked_code_bytes(H, I);
+  w.w2_scale_stride = runtime::prepacked_scale_bytes(H, I);
+  auto alloc = [&](uint8_t** ptr, int64_t bytes) {
+    check_cuda(cudaMalloc(reinterpret_cast<void**>(ptr), static_cast<size_t>(bytes)), "cudaMalloc(weights)");
+    w.bytes += static_cast<size_t>(bytes);
+  };
+  alloc(&w.w13_codes, EV * w.w13_code_stride);
+  alloc(&w.w13_scales, EV * w.w13_scale_stride);
+  alloc(&w.w2_codes, EV * w.w2_code_stride);
+  alloc(&w.w2_scales, EV * w.w2_scale_stride);
+  check_cuda(cudaMalloc(reinterpret_cast<void**>(&w.s2), static_cast<size_t>(3 * EV) * sizeof(float)),
+             "cudaMalloc(global scales)");
+
+  // Virtual expert v: a routed expert, or slice v - E of the shared expert.
+  auto expert_of = [&](int64_t v) -> const ExpertWeights& {
+    return v < E ? layer.experts[static_cast<size_t>(v)] : *layer.shared_expert;
+  };
+  std::vector<float> s2(static_cast<size_t>(3 * EV));
+  for (int64_t v = 0; v < EV; ++v) {
+    const ExpertWeights& ex = expert_of(v);
+    s2[v] = ex.gate.weight_scale_2;
+    s2[EV + v] = ex.up.weight_scale_2;
+    s2[2 * EV + v] = ex.down.weight_scale_2;
+  }
+  check_cuda(cudaMemcpy(w.s2, s2.data(), s2.size() * sizeof(float), cudaMemcpyHostToDevice),
+             "cudaMemcpy(global scales)");
+
+  // Prepack in batches of experts on all cores, upload each batch (bounded host memory).
+  const int threads = std::max(1u, std::thread::hardware_concurrency());
+  const int64_t batch = std::min<int64_t>(EV, threads);
+  const size_t per_expert = static_cast<size_t>(w.w13_code_stride + w.w13_scale_stride +
+                                                w.w2_code_stride + w.w2_scale_stride);
+  std::vector<uint8_t> host(static_cast<size_t>(batch) * per_expert);
+  for (int64_t first = 0; first < EV; first += batch) {
+    const int64_t n = std::min(batch, EV - first);
+    std::vector<std::thread> pool;
+    std::vector<std::exception_ptr> errors(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) {
+      pool.emplace_back([&, i] {
+        try {
+          const int64_t v = first + i;
+          const ExpertWeights& ex = expert_of(v);
+          const int64_t col0 = v < E ? 0 : (v - E) * I;
+          uint8_t* base = host.data() + static_cast<size_t>(i) * per_expert;
+          uint8_t* c13 = base;
+          uint8_t* s13 = c13 + w.w13_code_stride;
+          uint8_t* c2 = s13 + w.w13_scale_stride;
+          uint8_t* sc2 = c2 + w.w2_code_stride;
+          runtime::prepack_w13(ex.gate, ex.up, col0, I, {c13, static_cast<size_t>(w.w13_code_stride)},
+                               {s13, static_cast<size_t>(w.w13_scale_stride)});
+          runtime::prepack_w2(ex.down, col0, I, {c2, static_cast<size_t>(w.w2_code_stride)},
+                              {sc2, static_cast<size_t>(w.w2_scale_stride)});
+        } catch (...) {
+          errors[static_cast<size_t>(i)] = std::current_exception();
+        }
+      });
+    }
+    for (auto& th : pool) th.join();
+    for (auto& err : errors) {
+      if (err) std::rethrow_exception(err);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t v = first + i;
+      const uint8_t* base = host.data() + static_cast<size_t>(i) * per_expert;
+      auto copy = [&](uint8_t* dst, const uint8_t* src, int64_t bytes) {
+        check_cuda(cudaMemcpy(dst, src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice),
+                   "cudaMemcpy(prepacked weights)");
+      };
+      copy(w.w13_codes + v * w.w13_code_stride, base, w.w13_code_stride);
+      copy(w.w13_scales + v * w.w13_scale_stride, base + w.w13_code_stride, w.w13_scale_stride);
+      copy(w.w2_codes + v * w.w2_code_stride, base + w.w13_code_stride + w.w13_scale_stride,
+           w.w2_code_stride);
+      copy(w.w2_scales + v * w.w2_scale_stride,
+           base + w.w13_code_stride + w.w13_scale_stride + w.w2_code_stride, w.w2_scale_stride);
+    }
+  }
+  (void)stream;
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------
+// Plan
+
+MoePlan MoePlan::create(const MoeProblem& problem) {
+  validate_problem(problem);
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  cudaDeviceProp prop{};
+  check_cuda(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  MEGAMOE_CHECK(prop.major == 9 && prop.minor == 0, kUnsupported, "MoePlan: device ", device, " (",
+                prop.name, ", sm_", prop.major, prop.minor,
+                ") is not supported; this build runs on Hopper (sm_90: H100/H200) only");
+  MoePlan plan;
+  plan.problem_ = problem;
+  plan.num_sms_ = prop.multiProcessorCount;
+  return plan;
+}
+
+size_t MoePlan::workspace_bytes() const { return workspace_layout(problem_).total; }
+
+std::string MoePlan::describe(int64_t tokens) const {
+  std::ostringstream os;
+  os << "T=" << tokens << " " << choose_moe_config(problem_, tokens).to_string()
+     << (problem_.deterministic ? " deterministic" : " atomic-combine");
+  return os.str();
+}
+
+int64_t MoePlan::invalid_id_count(const void* workspace, cudaStream_t stream) const {
+  int32_t count = 0;
+  const auto layout = workspace_layout(problem_);
+  check_cuda(cudaMemcpyAsync(&count, static_cast<const uint8_t*>(workspace) + layout.invalid, 4,
+                             cudaMemcpyDeviceToHost, stream),
+             "cudaMemcpyAsync(invalid id count)");
+  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  return count;
+}
+
+// ------------------------------------------------------------------------------------------
+// Run
+
+namespace {
+
+template <bool kIsL1, int kWG, int kBN, int kStages>
+void launch_gemm(const k90::W4a16GemmParams& params, int num_sms, int64_t max_work, cudaStream_t stream) {
+  using Smem = k90::W4a16SmemLayout<kWG, kBN, kStages>;
+  auto* kernel = &k90::w4a16_grouped_gemm_kernel<kIsL1, kWG, kBN, kStages>;
+  static const int blocks_per_sm = [&] {
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::kAllocBytes),
+               "cudaFuncSetAttribute(max dynamic shared memory)");
+    int n = 0;
+    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWG * 128, Smem::kAllocBytes),
+               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+    return std::max(n, 1);
+  }();
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(int64_t{num_sms} * blocks_per_sm, max_work));
+  kernel<<<static_cast<unsigned>(grid), kWG * 128, Smem::kAllocBytes, stream>>>(params);
+  check_cuda(cudaGetLastError(), "w4a16_grouped_gemm_kernel launch");
+}
+
+// The whitelist of instantiations (keeps the build in minutes): see sm90_moe_heuristics.cpp.
+template <bool kIsL1>
+void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params, int num_sms,
+                        int64_t max_work, cudaStream_t stream) {
+  if (c.warpgroups == 1 && c.block_n == 16 && c.stages == 8) {
+    launch_gemm<kIsL1, 1, 16, 8>(params, num_sms, max_work, stream);
+  } else if (c.warpgroups == 1 && c.block_n == 64 && c.stages == 6) {
+    launch_gemm<kIsL1, 1, 64, 6>(params, num_sms, max_work, stream);
+  } else if (c.warpgroups == 2 && c.block_n == 128 && c.stages == 4) {
+    launch_gemm<kIsL1, 2, 128, 4>(params, num_sms, max_work, stream);
+  } else {
+    MEGAMOE_FAIL(kInternal, "no kernel instantiated for GEMM config ", c.to_string());
+  }
+}
+
+}  // namespace
+
+void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs& args,
+         cudaStream_t stream) {
+  const MoeProblem& p = plan.problem();
+  const auto& w = weights.impl();
+  MEGAMOE_CHECK(w.shape.hidden_size == p.hidden_size && w.shape.intermediate_size == p.intermediate_size &&
+                    w.shape.num_experts == p.num_experts &&
+                    w.shape.shared_intermediate_size == p.shared_intermediate_size,
+                kInvalidArgument, "run: the weights (H=", w.shape.hidden_size, ", I=",
+                w.shape.intermediate_size, ", E=", w.shape.num_experts, ", shared I=",
+                w.shape.shared_intermediate_size, ") do not match the plan (H=", p.hidden_size,
+                ", I=", p.intermediate_size, ", E=", p.num_experts, ", shared I=",
+                p.shared_intermediate_size, ")");
+  MEGAMOE_CHECK(args.tokens >= 0 && args.tokens <= p.max_tokens, kInvalidArgument, "run: tokens = ",
+                args.tokens, " must be in 0..max_tokens = ", p.max_tokens);
+  if (args.tokens == 0) return;
+  MEGAMOE_CHECK(args.hidden && args.topk_ids && args.topk_weights && args.output && args.workspace,
+                kInvalidArgument, "run: hidden, topk_ids, topk_weights, output and workspace must be device pointers, not null");
+  MEGAMOE_CHECK(reinterpret_cast<uintptr_t>(args.hidden) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(args.output) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(args.workspace) % 256 == 0,
+                kInvalidArgument, "run: hidden and output must be 16-byte aligned, workspace 256-byte aligned");
+
+  const MoeConfig cfg = choose_moe_config(p, args.tokens);
+  const auto L = workspace_layout(p);
+  const int64_t T = args.tokens, H = p.hidden_size, I = p.intermediate_size;
+  const int64_t EV = virtual_experts(p), spt = slots_per_token(p);
+  void* ws = args.workspace;
+
+  if (!p.deterministic) {
+    check_cuda(cudaMemsetAsync(at<float>(ws, L.out_acc), 0, static_cast<size_t>(T * H) * 4, stream),
+               "cudaMemsetAsync(accumulator)");
+  }
+
+  k90::DispatchParams d{};
+  d.topk_ids = args.topk_ids;
+  d.topk_weights = args.topk_weights;
+  d.tokens = static_cast<int32_t>(T);
+  d.top_k = p.top_k;
+  d.num_experts = static_cast<int32_t>(p.num_experts);
+  d.shared_chunks = static_cast<int32_t>(shared_chunks(p));
+  d.l1_m_tiles = static_cast<int32_t>(2 * I / 64);
+  d.l2_m_tiles = static_cast<int32_t>(H / 64);
+  d.l1_block_m_tiles = cfg.l1.warpgroups;
+  d.l2_block_m_tiles = cfg.l2.warpgroups;
+  d.l1_block_n = cfg.l1.block_n;
+  d.l2_block_n = cfg.l2.block_n;
+  d.expert_offsets = at<int32_t>(ws, L.expert_offsets);
+  d.l1_tile_offsets = at<int32_t>(ws, L.l1_tiles);
+  d.l2_tile_offsets = at<int32_t>(ws, L.l2_tiles);
+  d.slot_token = at<int32_t>(ws, L.slot_token);
+  d.slot_weight = at<float>(ws, L.slot_weight);
+  d.token_slot = at<int32_t>(ws, L.token_slot);
+  d.invalid_ids = at<int32_t>(ws, L.invalid);
+  k90::moe_dispatch_kernel<<<1, k90::kDispatchThreads, 0, stream>>>(d);
+  check_cuda(cudaGetLastError(), "moe_dispatch_kernel launch");
+
+  const float limit = p.swiglu_limit ? *p.swiglu_limit : std::numeric_limits<float>::infinity();
+  // Upper bound of work items: every expert's last n-tile may be partial.
+  auto max_work = [&](const GemmConfig& c, int64_t m_tiles) {
+    return (m_tiles / c.warpgroups) * ((T * spt + c.block_n - 1) / c.block_n + EV);
+  };
+
+  k90::W4a16GemmParams g1{};
+  g1.codes = w.w13_codes;
+  g1.scales = w.w13_scales;
+  g1.code_expert_stride = w.w13_code_stride;
+  g1.scale_expert_stride = w.w13_scale_stride;
+  g1.m_tiles = d.l1_m_tiles;
+  g1.k_chunks = static_cast<int32_t>(H / 64);
+  g1.s2_a = w.s2;
+  g1.s2_b = w.s2 + EV;
+  g1.b_src = reinterpret_cast<const __nv_bfloat16*>(args.hidden);
+  g1.b_ld = H;
+  g1.expert_offsets = d.expert_offsets;
+  g1.tile_offsets = d.l1_tile_offsets;
+  g1.num_experts = static_cast<int32_t>(EV);
+  g1.slot_token = d.slot_token;
+  g1.slot_weight = d.slot_weight;
+  g1.act = at<__nv_bfloat16>(ws, L.act);
+  g1.act_ld = I;
+  g1.swiglu_limit = limit;
+  launch_gemm_config<true>(cfg.l1, g1, plan.num_sms(), max_work(cfg.l1, d.l1_m_tiles), stream);
+
+  k90::W4a16GemmParams g2 = g1;
+  g2.codes = w.w2_codes;
+  g2.scales = w.w2_scales;
+  g2.code_expert_stride = w.w2_code_stride;
+  g2.scale_expert_stride = w.w2_scale_stride;
+  g2.m_tiles = d.l2_m_tiles;
+  g2.k_chunks = static_cast<int32_t>(I / 64);
+  g2.s2_a = w.s2 + 2 * EV;
+  g2.s2_b = nullptr;
+  g2.b_src = at<__nv_bfloat16>(ws, L.act);
+  g2.b_ld = I;
+  g2.tile_offsets = d.l2_tile_offsets;
+  g2.act = nullptr;
+  g2.out_acc = p.deterministic ? nullptr : at<float>(ws, L.out_acc);
+  g2.y_slot = p.deterministic ? at<float>(ws, L.y_slot) : nullptr;
+  g2.out_ld = H;
+  launch_gemm_config<false>(cfg.l2, g2, plan.num_sms(), max_work(cfg.l2, d.l2_m_tiles), stream);
+
+  k90::CombineParams c{};
+  c.out_acc = p.deterministic ? nullptr : at<float>(ws, L.out_acc);
+  c.y_slot = g2.y_slot;
+  c.token_slot = d.token_slot;
+  c.slot_weight = d.slot_weight;
+  c.slots_per_token = static_cast<int32_t>(spt);
+  c.tokens = T;
+  c.hidden = H;
+  c.out = reinterpret_cast<__nv_bfloat16*>(args.output);
+  const int64_t vecs = T * H / 8;
+  const int64_t blocks = std::min<int64_t>((vecs + 255) / 256, int64_t{plan.num_sms()} * 8);
+  k90::moe_combine_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(c);
+  check_cuda(cudaGetLastError(), "moe_combine_kernel launch");
+}
+
+}  // namespace megamoe
