@@ -57,6 +57,8 @@ struct Nvfp4View {
 // ModelOpt weight recipe (DESIGN.md §2), bit for bit:
 //   s2 = amax(|W|)/2688 (s2 = 1 if amax == 0); per block b = amax_block/(6*s2), 1.0 where the
 //   block is all zero, clamped to [2^-9, 448], rounded to e4m3 (RNE); code = e2m1_rne(x/(b*s2)).
+//   All fp32, in ModelOpt's evaluation order (format.cpp documents each step). The code's sign
+//   comes from x/(b*s2) < 0 as in ModelOpt, so a -0 weight gets 0x0 (f32_to_e2m1 gives 0x8).
 // `w` is row-major [rows, cols] fp32 (callers widen bf16/f16 exactly first); cols % 16 == 0.
 // Outputs: codes [rows, cols/2], scales [rows, cols/16]. Returns weight_scale_2.
 // Throws megamoe::Error(kInvalidArgument) on non-finite input or bad shapes.

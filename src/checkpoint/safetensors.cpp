@@ -1,0 +1,427 @@
+// safetensors reader (memory-mapped, header fully validated before any byte is handed out) and
+// streaming writer. The format: u64 little-endian header length N, N bytes of JSON, then the
+// data section; every tensor's data_offsets are relative to the start of the data section.
+
+#include "megamoe/safetensors.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <optional>
+#include <set>
+#include <tuple>
+#include <utility>
+
+#include <nlohmann/json.hpp>
+
+#include "megamoe/status.h"
+
+namespace megamoe {
+namespace {
+
+using nlohmann::json;
+
+// The reference implementation refuses headers above 100 MB; a header that large is corruption,
+// not a checkpoint (the biggest real ones are a few MB), and mapping it as JSON would be slow.
+constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+constexpr uint64_t kLengthFieldBytes = 8;
+constexpr const char* kMetadataKey = "__metadata__";
+
+constexpr DType kAllDTypes[] = {DType::BF16, DType::F16,     DType::F32,
+                                DType::U8,   DType::I8,      DType::I32,
+                                DType::I64,  DType::F8_E4M3, DType::F8_E5M2};
+
+std::string supported_dtype_list() {
+  std::string s;
+  for (DType t : kAllDTypes) {
+    if (!s.empty()) s += ", ";
+    s += dtype_name(t);
+  }
+  return s;
+}
+
+// numel * dtype size with overflow checks; nullopt when either does not fit in int64/uint64.
+struct Extent {
+  int64_t numel = 1;
+  uint64_t bytes = 0;
+};
+std::optional<Extent> checked_extent(std::span<const int64_t> shape, DType dtype) {
+  Extent e;
+  for (int64_t d : shape) {
+    if (d < 0 || __builtin_mul_overflow(e.numel, d, &e.numel)) return std::nullopt;
+  }
+  if (__builtin_mul_overflow(static_cast<uint64_t>(e.numel),
+                             static_cast<uint64_t>(dtype_size(dtype)), &e.bytes)) {
+    return std::nullopt;
+  }
+  return e;
+}
+
+uint64_t read_u64_le(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+// JSON type names for messages ("expected an array, got string").
+std::string json_kind(const json& j) { return j.type_name(); }
+
+// Parses one tensor entry of the header; `data_size` is the size of the data section.
+TensorInfo parse_entry(const std::string& path, const std::string& name, const json& entry,
+                       uint64_t data_size) {
+  const auto where = [&] { return detail::concat("safetensors file '", path, "': tensor '", name, "'"); };
+  MEGAMOE_CHECK(entry.is_object(), kInvalidCheckpoint, where(),
+                " must be a JSON object with dtype, shape and data_offsets, but is a ",
+                json_kind(entry), ".");
+  for (const char* field : {"dtype", "shape", "data_offsets"}) {
+    MEGAMOE_CHECK(entry.contains(field), kInvalidCheckpoint, where(), " has no '", field,
+                  "' field; every tensor needs dtype, shape and data_offsets.");
+  }
+
+  TensorInfo t;
+  t.name = name;
+
+  const json& dt = entry["dtype"];
+  MEGAMOE_CHECK(dt.is_string(), kInvalidCheckpoint, where(), " has a dtype that is a ",
+                json_kind(dt), ", not a string.");
+  const auto dtype = dtype_from_name(dt.get_ref<const std::string&>());
+  MEGAMOE_CHECK(dtype.has_value(), kUnsupported, where(), " has unsupported dtype '",
+                dt.get_ref<const std::string&>(), "'; supported dtypes are ",
+                supported_dtype_list(), ".");
+  t.dtype = *dtype;
+
+  const json& shape = entry["shape"];
+  MEGAMOE_CHECK(shape.is_array(), kInvalidCheckpoint, where(), " has a shape that is a ",
+                json_kind(shape), ", not an array of non-negative integers.");
+  for (const json& d : shape) {
+    MEGAMOE_CHECK(d.is_number_unsigned() && d.get<uint64_t>() <= uint64_t(INT64_MAX),
+                  kInvalidCheckpoint, where(), " has shape ", shape.dump(),
+                  "; every dimension must be a non-negative integer.");
+    t.shape.push_back(d.get<int64_t>());
+  }
+  const auto extent = checked_extent(t.shape, t.dtype);
+  MEGAMOE_CHECK(extent.has_value(), kInvalidCheckpoint, where(), " has shape ",
+                shape_string(t.shape), " whose byte size overflows 64 bits.");
+
+  const json& offsets = entry["data_offsets"];
+  MEGAMOE_CHECK(offsets.is_array() && offsets.size() == 2 && offsets[0].is_number_unsigned() &&
+                    offsets[1].is_number_unsigned(),
+                kInvalidCheckpoint, where(), " has data_offsets ", offsets.dump(),
+                "; expected [begin, end] with non-negative integers.");
+  t.begin = offsets[0].get<uint64_t>();
+  t.end = offsets[1].get<uint64_t>();
+  MEGAMOE_CHECK(t.begin <= t.end, kInvalidCheckpoint, where(), " has data_offsets [", t.begin,
+                ", ", t.end, "] with begin after end.");
+  MEGAMOE_CHECK(t.end <= data_size, kInvalidCheckpoint, where(), " has data_offsets [", t.begin,
+                ", ", t.end, "] out of bounds: the data section holds only ", data_size,
+                " bytes (the file is truncated or the header is corrupt).");
+  MEGAMOE_CHECK(t.end - t.begin == extent->bytes, kInvalidCheckpoint, where(), " has ",
+                t.end - t.begin, " bytes of data, but dtype ", dtype_name(t.dtype), " and shape ",
+                shape_string(t.shape), " need ", extent->bytes, " bytes (size mismatch).");
+  return t;
+}
+
+}  // namespace
+
+int64_t TensorInfo::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::string shape_string(std::span<const int64_t> shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Reader
+
+std::shared_ptr<const SafetensorsFile> SafetensorsFile::open(const std::string& path) {
+  // make_shared cannot reach the private constructor; the object is never copied after this.
+  std::shared_ptr<SafetensorsFile> f(new SafetensorsFile());
+  f->path_ = path;
+
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) {
+      MEGAMOE_FAIL(kNotFound, "safetensors file '", path, "' does not exist.");
+    }
+    MEGAMOE_FAIL(kIo, "cannot open safetensors file '", path, "': ", std::strerror(err), ".");
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    MEGAMOE_FAIL(kIo, "cannot stat safetensors file '", path, "': ", std::strerror(err), ".");
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    MEGAMOE_FAIL(kInvalidArgument, "'", path, "' is not a regular file; expected a .safetensors file.");
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size < kLengthFieldBytes) {
+    ::close(fd);
+    MEGAMOE_FAIL(kInvalidCheckpoint, "safetensors file '", path, "' is truncated: it has ", size,
+                 " bytes, fewer than the 8-byte header length field.");
+  }
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int map_err = errno;
+  ::close(fd);  // the mapping keeps the file alive
+  if (map == MAP_FAILED) {
+    MEGAMOE_FAIL(kIo, "cannot memory-map safetensors file '", path, "': ", std::strerror(map_err),
+                 ".");
+  }
+  // From here on the destructor unmaps, also when validation below throws.
+  f->map_ = static_cast<const uint8_t*>(map);
+  f->map_size_ = size;
+
+  const uint64_t header_len = read_u64_le(f->map_);
+  MEGAMOE_CHECK(header_len <= size - kLengthFieldBytes, kInvalidCheckpoint, "safetensors file '",
+                path, "' declares a ", header_len, "-byte header, but only ",
+                size - kLengthFieldBytes,
+                " bytes follow the length field (the file is truncated or not safetensors).");
+  MEGAMOE_CHECK(header_len <= kMaxHeaderBytes, kInvalidCheckpoint, "safetensors file '", path,
+                "' declares a ", header_len, "-byte header; at most ", kMaxHeaderBytes,
+                " bytes are allowed.");
+  f->data_start_ = kLengthFieldBytes + header_len;
+  const uint64_t data_size = size - f->data_start_;
+
+  // The callback sees every key of the top-level object (depth 1): nlohmann would otherwise keep
+  // only the last of two duplicate tensor names and hide the corruption.
+  std::set<std::string> seen;
+  std::string duplicate;
+  const json::parser_callback_t reject_duplicates =
+      [&](int depth, json::parse_event_t event, json& parsed) {
+        if (event == json::parse_event_t::key && depth == 1 && duplicate.empty() &&
+            !seen.insert(parsed.get<std::string>()).second) {
+          duplicate = parsed.get<std::string>();
+        }
+        return true;
+      };
+  json header;
+  try {
+    const char* text = reinterpret_cast<const char*>(f->map_ + kLengthFieldBytes);
+    header = json::parse(text, text + header_len, reject_duplicates);
+  } catch (const json::exception& e) {
+    MEGAMOE_FAIL(kInvalidCheckpoint, "safetensors file '", path,
+                 "' has a header that is not valid JSON: ", e.what());
+  }
+  MEGAMOE_CHECK(header.is_object(), kInvalidCheckpoint, "safetensors file '", path,
+                "' has a header that is a JSON ", json_kind(header), "; expected a JSON object.");
+  MEGAMOE_CHECK(duplicate.empty(), kInvalidCheckpoint, "safetensors file '", path,
+                "' names tensor '", duplicate, "' twice in its header.");
+
+  for (const auto& [name, entry] : header.items()) {
+    if (name == kMetadataKey) {
+      MEGAMOE_CHECK(entry.is_object(), kInvalidCheckpoint, "safetensors file '", path,
+                    "' has a __metadata__ that is a ", json_kind(entry),
+                    "; expected an object of string values.");
+      for (const auto& [key, value] : entry.items()) {
+        MEGAMOE_CHECK(value.is_string(), kInvalidCheckpoint, "safetensors file '", path,
+                      "' has __metadata__ entry '", key, "' that is a ", json_kind(value),
+                      "; metadata values must be strings.");
+        f->metadata_.emplace(key, value.get<std::string>());
+      }
+      continue;
+    }
+    f->tensors_.push_back(parse_entry(path, name, entry, data_size));
+  }
+
+  // Sorted by offset, each tensor must start at or after the furthest end seen so far (zero-byte
+  // tensors may share an offset with a neighbour, but none may sit inside another tensor).
+  std::sort(f->tensors_.begin(), f->tensors_.end(), [](const TensorInfo& a, const TensorInfo& b) {
+    return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
+  });
+  uint64_t furthest_end = 0;
+  const TensorInfo* furthest = nullptr;
+  for (const TensorInfo& t : f->tensors_) {
+    MEGAMOE_CHECK(t.begin >= furthest_end, kInvalidCheckpoint, "safetensors file '", path,
+                  "': tensor '", t.name, "' (bytes [", t.begin, ", ", t.end,
+                  ")) overlaps tensor '", furthest->name, "' (bytes [", furthest->begin, ", ",
+                  furthest->end, ")).");
+    if (t.end > furthest_end || furthest == nullptr) {
+      furthest_end = t.end;
+      furthest = &t;
+    }
+  }
+  for (size_t i = 0; i < f->tensors_.size(); ++i) f->index_.emplace(f->tensors_[i].name, i);
+  return f;
+}
+
+SafetensorsFile::~SafetensorsFile() {
+  if (map_ != nullptr) ::munmap(const_cast<uint8_t*>(map_), map_size_);
+}
+
+const TensorInfo* SafetensorsFile::find(std::string_view name) const {
+  const auto it = index_.find(std::string(name));
+  return it == index_.end() ? nullptr : &tensors_[it->second];
+}
+
+std::span<const uint8_t> SafetensorsFile::bytes(const TensorInfo& t) const {
+  // A TensorInfo from another file (or a hand-made one) must not read outside this mapping.
+  MEGAMOE_CHECK(t.begin <= t.end && t.end <= map_size_ - data_start_, kInvalidArgument,
+                "tensor '", t.name, "' with bytes [", t.begin, ", ", t.end,
+                ") is outside the data section of safetensors file '", path_, "' (",
+                map_size_ - data_start_, " bytes).");
+  return {map_ + data_start_ + t.begin, static_cast<size_t>(t.end - t.begin)};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writer
+
+SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<TensorSpec> specs,
+                                     const std::map<std::string, std::string>& metadata)
+    : path_(path), specs_(std::move(specs)) {
+  // Validate everything before creating the file, so a rejected call leaves nothing behind.
+  std::set<std::string_view> names;
+  // ordered_json keeps __metadata__ first and the tensors in declaration (= offset) order, which
+  // makes headers readable; readers do not depend on key order.
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata.empty()) header[kMetadataKey] = metadata;
+  uint64_t offset = 0;
+  for (const TensorSpec& s : specs_) {
+    MEGAMOE_CHECK(!s.name.empty() && s.name != kMetadataKey, kInvalidArgument,
+                  "safetensors writer for '", path, "': tensor name '", s.name,
+                  "' is not allowed (names must be non-empty and not __metadata__).");
+    MEGAMOE_CHECK(names.insert(s.name).second, kInvalidArgument, "safetensors writer for '", path,
+                  "': tensor '", s.name, "' is declared twice.");
+    const auto extent = checked_extent(s.shape, s.dtype);
+    MEGAMOE_CHECK(extent.has_value(), kInvalidArgument, "safetensors writer for '", path,
+                  "': tensor '", s.name, "' has shape ", shape_string(s.shape),
+                  "; dimensions must be non-negative and the byte size must fit in 64 bits.");
+    uint64_t end = 0;
+    MEGAMOE_CHECK(!__builtin_add_overflow(offset, extent->bytes, &end), kInvalidArgument,
+                  "safetensors writer for '", path, "': the data section overflows 64 bits at tensor '",
+                  s.name, "'.");
+    header[s.name] = {{"dtype", dtype_name(s.dtype)},
+                      {"shape", s.shape},
+                      {"data_offsets", {offset, end}}};
+    sizes_.push_back(extent->bytes);
+    offset = end;
+  }
+  std::string text = header.dump();
+  // Like the reference implementation: pad the header with spaces so the data section starts
+  // 8-byte aligned in the file (and therefore in the page-aligned mapping of a reader).
+  text.append((8 - text.size() % 8) % 8, ' ');
+
+  FILE* fp = std::fopen(path.c_str(), "wb");
+  MEGAMOE_CHECK(fp != nullptr, kIo, "cannot create safetensors file '", path, "': ",
+                std::strerror(errno), ".");
+  file_ = fp;
+  uint8_t len[8];
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(uint64_t(text.size()) >> (8 * i));
+  if (std::fwrite(len, 1, 8, fp) != 8 || std::fwrite(text.data(), 1, text.size(), fp) != text.size()) {
+    const int err = errno;
+    std::fclose(fp);
+    file_ = nullptr;
+    std::remove(path_.c_str());
+    MEGAMOE_FAIL(kIo, "cannot write the header of safetensors file '", path, "': ",
+                 std::strerror(err), ".");
+  }
+}
+
+SafetensorsWriter::~SafetensorsWriter() {
+  // file_ is open only while unfinished (finish() and write errors close it): drop the partial file.
+  if (file_ != nullptr) {
+    std::fclose(static_cast<FILE*>(file_));
+    std::remove(path_.c_str());
+  }
+}
+
+void SafetensorsWriter::append(std::string_view name, std::span<const uint8_t> bytes) {
+  MEGAMOE_CHECK(!finished_, kInvalidArgument, "safetensors writer for '", path_,
+                "': append to tensor '", name, "' after finish().");
+  MEGAMOE_CHECK(file_ != nullptr, kInvalidArgument, "safetensors writer for '", path_,
+                "': append to tensor '", name, "' after an earlier write error closed the file.");
+  // Tensors that are complete (zero-byte ones are complete from the start) hand over to the next
+  // declared tensor; the current incomplete tensor is the only one that may receive bytes.
+  while (current_ < specs_.size() && written_in_current_ == sizes_[current_] &&
+         specs_[current_].name != name) {
+    ++current_;
+    written_in_current_ = 0;
+  }
+  if (current_ == specs_.size() || specs_[current_].name != name) {
+    const bool declared = std::any_of(specs_.begin(), specs_.end(),
+                                      [&](const TensorSpec& s) { return s.name == name; });
+    MEGAMOE_CHECK(declared, kInvalidArgument, "safetensors writer for '", path_,
+                  "': no tensor named '", name, "' was declared.");
+    MEGAMOE_CHECK(current_ < specs_.size(), kInvalidArgument, "safetensors writer for '", path_,
+                  "': tensor '", name, "' is already complete; every declared tensor has been written.");
+    MEGAMOE_FAIL(kInvalidArgument, "safetensors writer for '", path_, "': append to tensor '", name,
+                 "' while tensor '", specs_[current_].name, "' is being written (",
+                 written_in_current_, " of ", sizes_[current_],
+                 " bytes); tensors must be written completely, in declaration order.");
+  }
+  const uint64_t left = sizes_[current_] - written_in_current_;
+  MEGAMOE_CHECK(bytes.size() <= left, kInvalidArgument, "safetensors writer for '", path_,
+                "': ", bytes.size(), " bytes appended to tensor '", name, "', which has only ", left,
+                " of its ", sizes_[current_], " bytes left.");
+  if (bytes.empty()) return;
+  FILE* fp = static_cast<FILE*>(file_);
+  if (std::fwrite(bytes.data(), 1, bytes.size(), fp) != bytes.size()) {
+    const int err = errno;
+    std::fclose(fp);
+    file_ = nullptr;
+    std::remove(path_.c_str());
+    MEGAMOE_FAIL(kIo, "cannot write tensor '", name, "' to safetensors file '", path_, "': ",
+                 std::strerror(err), ".");
+  }
+  written_in_current_ += bytes.size();
+}
+
+void SafetensorsWriter::finish() {
+  MEGAMOE_CHECK(!finished_, kInvalidArgument, "safetensors writer for '", path_,
+                "': finish() called twice.");
+  MEGAMOE_CHECK(file_ != nullptr, kInvalidArgument, "safetensors writer for '", path_,
+                "': finish() after an earlier write error closed the file.");
+  while (current_ < specs_.size() && written_in_current_ == sizes_[current_]) {
+    ++current_;
+    written_in_current_ = 0;
+  }
+  MEGAMOE_CHECK(current_ == specs_.size(), kInvalidArgument, "safetensors writer for '", path_,
+                "': finish() with tensor '", specs_[current_].name, "' incomplete (",
+                written_in_current_, " of ", sizes_[current_], " bytes written).");
+  FILE* fp = static_cast<FILE*>(file_);
+  file_ = nullptr;
+  const bool ok = std::fflush(fp) == 0 && !std::ferror(fp);
+  const int err = errno;
+  if (std::fclose(fp) != 0 || !ok) {
+    std::remove(path_.c_str());
+    MEGAMOE_FAIL(kIo, "cannot finish safetensors file '", path_, "': ", std::strerror(err), ".");
+  }
+  finished_ = true;
+}
+
+void write_safetensors(const std::string& path,
+                       const std::vector<std::pair<TensorSpec, std::span<const uint8_t>>>& tensors,
+                       const std::map<std::string, std::string>& metadata) {
+  std::vector<TensorSpec> specs;
+  specs.reserve(tensors.size());
+  for (const auto& [spec, bytes] : tensors) specs.push_back(spec);
+  SafetensorsWriter writer(path, std::move(specs), metadata);
+  // Check each buffer against its spec here: the writer alone would report a short buffer only
+  // as "the next tensor arrived early", which hides which buffer was wrong.
+  for (const auto& [spec, bytes] : tensors) {
+    const auto extent = checked_extent(spec.shape, spec.dtype);  // valid: the writer checked it
+    MEGAMOE_CHECK(bytes.size() == extent->bytes, kInvalidArgument, "write_safetensors('", path,
+                  "'): tensor '", spec.name, "' is given ", bytes.size(), " bytes, but dtype ",
+                  dtype_name(spec.dtype), " and shape ", shape_string(spec.shape), " need ",
+                  extent->bytes, ".");
+    writer.append(spec.name, bytes);
+  }
+  writer.finish();
+}
+
+}  // namespace megamoe

@@ -1,0 +1,160 @@
+#include "megamoe/dtype.h"
+
+#include <cstdint>
+#include <cstring>
+
+#include "megamoe/format.h"
+#include "megamoe/status.h"
+
+namespace megamoe {
+
+namespace {
+
+uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+float f32_from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// m / 2^s rounded to nearest, ties to even, in integers (so the result does not depend on the
+// floating-point rounding mode). s >= 32 only happens for magnitudes far below half the target
+// unit, which round to 0.
+uint32_t shift_right_rne(uint32_t m, int s) {
+  if (s >= 32) return 0;
+  const uint32_t q = m >> s;
+  const uint32_t rem = m & ((1u << s) - 1u);
+  const uint32_t half = 1u << (s - 1);
+  return q + ((rem > half || (rem == half && (q & 1u))) ? 1u : 0u);
+}
+
+}  // namespace
+
+int dtype_size(DType t) {
+  switch (t) {
+    case DType::BF16: return 2;
+    case DType::F16: return 2;
+    case DType::F32: return 4;
+    case DType::U8: return 1;
+    case DType::I8: return 1;
+    case DType::I32: return 4;
+    case DType::I64: return 8;
+    case DType::F8_E4M3: return 1;
+    case DType::F8_E5M2: return 1;
+  }
+  MEGAMOE_FAIL(kInvalidArgument, "dtype_size: DType value ", static_cast<int>(t),
+               " is not one of BF16, F16, F32, U8, I8, I32, I64, F8_E4M3, F8_E5M2.");
+}
+
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::BF16: return "BF16";
+    case DType::F16: return "F16";
+    case DType::F32: return "F32";
+    case DType::U8: return "U8";
+    case DType::I8: return "I8";
+    case DType::I32: return "I32";
+    case DType::I64: return "I64";
+    case DType::F8_E4M3: return "F8_E4M3";
+    case DType::F8_E5M2: return "F8_E5M2";
+  }
+  MEGAMOE_FAIL(kInvalidArgument, "dtype_name: DType value ", static_cast<int>(t),
+               " is not one of BF16, F16, F32, U8, I8, I32, I64, F8_E4M3, F8_E5M2.");
+}
+
+// Exact, case-sensitive match on the safetensors spelling: a file that says "bf16" is not a
+// file this library has been tested against, so it is reported rather than guessed at.
+std::optional<DType> dtype_from_name(std::string_view name) {
+  static constexpr struct {
+    std::string_view name;
+    DType type;
+  } kNames[] = {{"BF16", DType::BF16}, {"F16", DType::F16},         {"F32", DType::F32},
+                {"U8", DType::U8},     {"I8", DType::I8},           {"I32", DType::I32},
+                {"I64", DType::I64},   {"F8_E4M3", DType::F8_E4M3}, {"F8_E5M2", DType::F8_E5M2}};
+  for (const auto& entry : kNames) {
+    if (entry.name == name) return entry.type;
+  }
+  return std::nullopt;
+}
+
+// IEEE binary16: 1 sign, 5 exponent (bias 15), 10 mantissa bits. Every half is a float, so the
+// decode is a re-biasing of the exponent (normals), an exact scaling (subnormals), or a copy of
+// the payload (inf/NaN).
+float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu;
+  const uint32_t man = h & 0x3FFu;
+  if (exp == 0x1F) return f32_from_bits(sign | 0x7F800000u | (man << 13));
+  if (exp == 0) {
+    // man * 2^-24: man < 2^10 converts exactly and the product is a power-of-two scaling.
+    const float mag = static_cast<float>(man) * 0x1p-24f;
+    return sign ? -mag : mag;
+  }
+  return f32_from_bits(sign | ((exp + (127 - 15)) << 23) | (man << 13));
+}
+
+// Round to nearest even; magnitudes at or above 65520 (the midpoint between 65504, the largest
+// half, and 2^16) become infinity, as IEEE requires. NaN stays NaN, made quiet, sign and the top
+// payload bits kept.
+uint16_t f32_to_f16(float f) {
+  const uint32_t u = f32_bits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
+  const int exp = static_cast<int>(a >> 23) - 127;
+  if (exp >= -14) {
+    // Normal half range: re-bias the exponent, then round the 23-bit mantissa to 10 bits; a
+    // carry out of the mantissa correctly bumps the exponent (from 65504 up to infinity at most).
+    if (exp > 15) return static_cast<uint16_t>(sign | 0x7C00u);
+    uint32_t t = a - (static_cast<uint32_t>(127 - 15) << 23);
+    t += 0xFFFu + ((t >> 13) & 1u);
+    return static_cast<uint16_t>(sign | (t >> 13));
+  }
+  // Half subnormal range: the value in units of 2^-24, rounded. An fp32 subnormal (exponent
+  // field 0) has no implicit bit; it is far below 2^-25 and rounds to 0 either way.
+  const uint32_t field = a >> 23;
+  const uint32_t m = (a & 0x7FFFFFu) | (field ? 0x800000u : 0u);
+  const int e = field ? exp : -126;
+  // value = m * 2^(e - 23) = (m * 2^(e + 1)) units of 2^-24; e + 1 <= -14 here.
+  return static_cast<uint16_t>(sign | shift_right_rne(m, -(e + 1)));
+}
+
+float load_as_f32(DType t, const void* base, int64_t index) {
+  MEGAMOE_CHECK(base != nullptr, kInvalidArgument, "load_as_f32: the base pointer is null.");
+  MEGAMOE_CHECK(index >= 0, kInvalidArgument, "load_as_f32: index ", index,
+                " is negative; element indices start at 0.");
+  // memcpy: safetensors data is only byte-aligned in general.
+  const auto* p = static_cast<const unsigned char*>(base);
+  switch (t) {
+    case DType::BF16: {
+      uint16_t h;
+      std::memcpy(&h, p + index * 2, 2);
+      return bf16_to_f32(h);
+    }
+    case DType::F16: {
+      uint16_t h;
+      std::memcpy(&h, p + index * 2, 2);
+      return f16_to_f32(h);
+    }
+    case DType::F32: {
+      float f;
+      std::memcpy(&f, p + index * 4, 4);
+      return f;
+    }
+    case DType::F8_E4M3: return format::e4m3_to_f32(p[index]);
+    case DType::F8_E5M2: return format::e5m2_to_f32(p[index]);
+    case DType::U8:
+    case DType::I8:
+    case DType::I32:
+    case DType::I64: break;
+  }
+  MEGAMOE_FAIL(kInvalidArgument, "load_as_f32: dtype ", dtype_name(t),
+               " is not a floating-point type; allowed are BF16, F16, F32, F8_E4M3, F8_E5M2.");
+}
+
+}  // namespace megamoe

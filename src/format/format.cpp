@@ -1,0 +1,382 @@
+// NVFP4 / MXFP4 host numerics (DESIGN.md §2). Everything here is exact or rounds once, to
+// nearest even, at the point the design says; there is no fast-math anywhere in this file.
+#include "megamoe/format.h"
+
+#include <algorithm>
+#include <array>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "megamoe/dtype.h"
+#include "megamoe/status.h"
+
+namespace megamoe::format {
+
+namespace {
+
+uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+// m / 2^s rounded to nearest, ties to even, in integers (independent of the FP rounding mode).
+// Shifts of 32 or more only occur for values far below half a unit, which round to 0.
+uint32_t shift_right_rne(uint32_t m, int s) {
+  if (s >= 32) return 0;
+  const uint32_t q = m >> s;
+  const uint32_t rem = m & ((1u << s) - 1u);
+  const uint32_t half = 1u << (s - 1);
+  return q + ((rem > half || (rem == half && (q & 1u))) ? 1u : 0u);
+}
+
+// 2^e for small |e|, by repeated exact doubling/halving so it can run at compile time.
+constexpr float pow2(int e) {
+  float v = 1.0f;
+  for (; e > 0; --e) v *= 2.0f;
+  for (; e < 0; ++e) v *= 0.5f;
+  return v;
+}
+
+// All 256 float8_e4m3fn values: (8 + m) * 2^(e - 10) for e >= 1, m * 2^-9 for e == 0.
+constexpr std::array<float, 256> make_e4m3_table() {
+  std::array<float, 256> t{};
+  for (int c = 0; c < 256; ++c) {
+    const int e = (c >> 3) & 0xF;
+    const int m = c & 0x7;
+    float mag;
+    if (e == 0xF && m == 0x7) {
+      mag = std::numeric_limits<float>::quiet_NaN();
+    } else if (e == 0) {
+      mag = static_cast<float>(m) * pow2(-9);
+    } else {
+      mag = static_cast<float>(8 + m) * pow2(e - 10);
+    }
+    t[c] = (c & 0x80) ? -mag : mag;
+  }
+  return t;
+}
+constexpr std::array<float, 256> kE4m3Values = make_e4m3_table();
+
+constexpr std::array<float, 16> kE2m1Values = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,  3.0f,
+                                               4.0f,  6.0f,  -0.0f, -0.5f, -1.0f, -1.5f,
+                                               -2.0f, -3.0f, -4.0f, -6.0f};
+
+// Magnitude code (0..7) of a = |q| on the E2M1 grid, round to nearest even, saturating at 6.
+// Each comparison is one boundary of DESIGN.md §2: a tie between two grid points goes to the
+// even code, so the comparison is strict (>) where the lower neighbour is even and >= where the
+// upper one is. This is ModelOpt's searchsorted + "odd bound rounds up" written out. NaN fails
+// every comparison and maps to 0; +inf passes all and maps to 7 (6.0).
+inline uint8_t e2m1_magnitude_code(float a) {
+  return static_cast<uint8_t>((a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) +
+                              (a > 2.5f) + (a >= 3.5f) + (a > 5.0f));
+}
+
+// ModelOpt's _cast_fp4 takes the sign from (q < 0): a quotient of -0.0 (a negative-zero weight,
+// or a tiny negative one whose quotient underflows) gets code 0x0, not 0x8. Both decode to zero;
+// this keeps the bytes identical to ModelOpt's.
+inline uint8_t e2m1_code_modelopt(float q) {
+  return static_cast<uint8_t>((q < 0.0f ? 0x8 : 0x0) | e2m1_magnitude_code(std::fabs(q)));
+}
+
+constexpr float kMinBlockScale = pow2(-9);  // the smallest positive e4m3 value (subnormal 0x01)
+
+// Shape checks shared by every matrix entry point. Returns rows * cols.
+int64_t checked_elements(const char* fn, int64_t rows, int64_t cols, int block) {
+  MEGAMOE_CHECK(rows >= 0 && cols >= 0, kInvalidArgument, fn, ": the shape [", rows, ", ", cols,
+                "] has a negative dimension; rows and cols must be >= 0.");
+  MEGAMOE_CHECK(cols % block == 0, kInvalidArgument, fn, ": cols = ", cols,
+                " is not a multiple of ", block, "; the format has one scale per ", block,
+                " consecutive elements along K, so K must be a multiple of ", block, ".");
+  MEGAMOE_CHECK(cols == 0 || rows <= std::numeric_limits<int64_t>::max() / cols,
+                kInvalidArgument, fn, ": the shape [", rows, ", ", cols,
+                "] has more elements than fit in int64.");
+  return rows * cols;
+}
+
+void check_span_size(const char* fn, const char* name, size_t got, int64_t want, int64_t rows,
+                     int64_t cols, const char* layout) {
+  MEGAMOE_CHECK(got == static_cast<uint64_t>(want), kInvalidArgument, fn, ": `", name, "` has ",
+                got, " elements, but a [", rows, ", ", cols, "] matrix needs ", want, " (",
+                layout, ").");
+}
+
+void check_positive_finite(const char* fn, const char* name, float v) {
+  MEGAMOE_CHECK(std::isfinite(v) && v > 0.0f, kInvalidArgument, fn, ": ", name, " = ", v,
+                " is not allowed; it must be a finite number greater than 0.");
+}
+
+// amax(|w|) over a [rows, cols] matrix; throws on the first non-finite element, naming it.
+float checked_amax(const char* fn, const char* name, const float* w, int64_t n, int64_t cols) {
+  float amax = 0.0f;
+  bool all_finite = true;
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = std::fabs(w[i]);
+    all_finite &= (a <= FLT_MAX);  // false for inf and NaN
+    amax = a > amax ? a : amax;
+  }
+  if (!all_finite) {
+    for (int64_t i = 0; i < n; ++i) {
+      MEGAMOE_CHECK(std::isfinite(w[i]), kInvalidArgument, fn, ": `", name, "` element [",
+                    i / cols, ", ", i % cols, "] is ", w[i],
+                    "; NVFP4 quantization needs every value to be finite (no NaN or infinity).");
+    }
+  }
+  return amax;
+}
+
+std::string hex_byte(uint8_t b) {
+  static constexpr char kDigits[] = "0123456789ABCDEF";
+  return std::string{'0', 'x', kDigits[b >> 4], kDigits[b & 0xF]};
+}
+
+// Every byte of a ue4m3 scale array must be a valid scale; names the first bad one.
+void check_ue4m3_scales(const char* fn, const uint8_t* scales, int64_t n, int64_t blocks_per_row) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (!ue4m3_is_valid(scales[i])) {
+      MEGAMOE_FAIL(kInvalidArgument, fn, ": the block scale of row ", i / blocks_per_row,
+                   ", block ", i % blocks_per_row, " is byte ", hex_byte(scales[i]), " (",
+                   e4m3_to_f32(scales[i]),
+                   "); a ue4m3 scale must be finite and non-negative (sign bit clear, not 0x7F).");
+    }
+  }
+}
+
+// The ModelOpt block loop (DESIGN.md §2), given s2. All arithmetic is fp32, in the order
+// PyTorch evaluates ModelOpt's NVFP4QTensor expressions, so every rounding matches:
+//   ratio   = fl32(amax_block / fl32(6 * s2))      get_weights_scaling_factor: amax / (6.0 * s2)
+//   ratio   = 1.0 where ratio == 0                  "per_block_scale[per_block_scale == 0] = 1.0"
+//   scale   = e4m3_rne(clamp(ratio, 2^-9, 448))     .to(torch.float8_e4m3fn), RNE
+//   divisor = fl32(e4m3_as_f32(scale) * s2)         (scale.to(float32) * s2), one product ...
+//   q       = fl32(x / divisor)                     ... then one true division (not x * 1/d,
+//                                                   not x / scale / s2: each rounds differently)
+//   code    = e2m1_rne(q), sign from (q < 0)        _cast_fp4
+// ratio == 0 is exactly "the block amax is 0" except where amax_block / (6 * s2) underflows
+// fp32; there ModelOpt also writes 1.0 and every code is 0 either way. The clamp is DESIGN.md's:
+// it only changes ratios <= 2^-10 (which e4m3 would round to a zero scale, making the block
+// undecodable) and ratios above 448 (only reachable with a caller-given global scale).
+// Inputs are known finite and shapes checked. No allocation: it is the hot loop of `quantize`.
+void quantize_blocks_modelopt(const float* w, int64_t rows, int64_t cols, float s2,
+                              uint8_t* codes, uint8_t* scales) {
+  const int64_t blocks = cols / kNvfp4BlockSize;
+  const float six_s2 = 6.0f * s2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = w + r * cols;
+    uint8_t* row_codes = codes + r * (cols / 2);
+    uint8_t* row_scales = scales + r * blocks;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* x = row + b * kNvfp4BlockSize;
+      float amax_block = 0.0f;
+      for (int i = 0; i < kNvfp4BlockSize; ++i) {
+        const float a = std::fabs(x[i]);
+        amax_block = a > amax_block ? a : amax_block;
+      }
+      float ratio = amax_block / six_s2;
+      if (ratio == 0.0f) ratio = 1.0f;
+      const uint8_t scale = f32_to_e4m3(std::clamp(ratio, kMinBlockScale, kE4m3Max));
+      row_scales[b] = scale;
+      const float divisor = kE4m3Values[scale] * s2;
+      uint8_t* out = row_codes + b * (kNvfp4BlockSize / 2);
+      for (int j = 0; j < kNvfp4BlockSize / 2; ++j) {
+        out[j] = pack_e2m1_pair(e2m1_code_modelopt(x[2 * j] / divisor),
+                                e2m1_code_modelopt(x[2 * j + 1] / divisor));
+      }
+    }
+  }
+}
+
+// Shape and size checks common to both weight entry points.
+void check_weight_args(const char* fn, std::span<const float> w, int64_t rows, int64_t cols,
+                       std::span<uint8_t> codes, std::span<uint8_t> scales) {
+  const int64_t n = checked_elements(fn, rows, cols, kNvfp4BlockSize);
+  check_span_size(fn, "w", w.size(), n, rows, cols, "rows * cols fp32 values");
+  check_span_size(fn, "codes", codes.size(), n / 2, rows, cols, "rows * cols / 2 packed bytes");
+  check_span_size(fn, "scales", scales.size(), n / kNvfp4BlockSize, rows, cols,
+                  "rows * cols / 16 ue4m3 bytes");
+}
+
+}  // namespace
+
+float e2m1_to_f32(uint8_t code) { return kE2m1Values[code & 0xF]; }
+
+uint8_t f32_to_e2m1(float x) {
+  // NaN: the magnitude code is 0 and the sign is dropped, giving +0 as documented.
+  if (std::isnan(x)) return 0x0;
+  return static_cast<uint8_t>((std::signbit(x) ? 0x8 : 0x0) | e2m1_magnitude_code(std::fabs(x)));
+}
+
+float e4m3_to_f32(uint8_t code) { return kE4m3Values[code]; }
+
+uint8_t f32_to_e4m3(float x) {
+  const uint32_t u = f32_bits(x);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return 0x7F;
+  // 448 = 0x7E is the largest finite code. Values in (448, 464] would round to it anyway; larger
+  // ones (and infinity) would round to 480, which e4m3fn does not have: saturate.
+  if (a >= f32_bits(kE4m3Max)) return static_cast<uint8_t>(sign | 0x7E);
+  const int exp = static_cast<int>(a >> 23) - 127;
+  if (exp >= -6) {
+    // e4m3 normal range [2^-6, 448): re-bias the exponent (127 -> 7), then round the 23-bit
+    // mantissa to 3 bits; a mantissa carry bumps the exponent, at most up to 448 (0x7E).
+    uint32_t t = a - (static_cast<uint32_t>(127 - 7) << 23);
+    t += 0x7FFFFu + ((t >> 20) & 1u);
+    return static_cast<uint8_t>(sign | (t >> 20));
+  }
+  // Subnormal range: the value in units of 2^-9 (codes 0..8; 8 is 2^-6, the smallest normal).
+  // value = m * 2^(e - 23) = m * 2^(e - 14) units, with e <= -7.
+  const uint32_t field = a >> 23;
+  const uint32_t m = (a & 0x7FFFFFu) | (field ? 0x800000u : 0u);
+  const int e = field ? exp : -126;
+  return static_cast<uint8_t>(sign | shift_right_rne(m, 14 - e));
+}
+
+bool ue4m3_is_valid(uint8_t code) { return (code & 0x80) == 0 && code != 0x7F; }
+
+// e5m2 is the upper byte of an IEEE half (same sign, 5-bit exponent and bias 15), so its decode
+// is the exact half decode of (code << 8), infinities and NaN included.
+float e5m2_to_f32(uint8_t code) { return f16_to_f32(static_cast<uint16_t>(code << 8)); }
+
+float ue8m0_to_f32(uint8_t code) {
+  if (code == 0xFF) return std::numeric_limits<float>::quiet_NaN();
+  return std::ldexp(1.0f, static_cast<int>(code) - 127);  // exact: 2^-127 is an fp32 subnormal
+}
+
+float modelopt_global_scale(float amax) {
+  MEGAMOE_CHECK(std::isfinite(amax) && amax >= 0.0f, kInvalidArgument,
+                "modelopt_global_scale: amax = ", amax,
+                " is not allowed; it must be a finite number >= 0.");
+  if (amax == 0.0f) return 1.0f;
+  // fp32 true division, as DESIGN.md specifies and as PyTorch's CPU kernel evaluates ModelOpt's
+  // `amax.float() / (6.0 * 448.0)`. Note: on a CUDA tensor PyTorch divides by a Python scalar as
+  // amax * fl32(1 / 2688), which is one ulp away from this for about a fifth of amax values.
+  return amax / kNvfp4GlobalDivisor;
+}
+
+float quantize_weight_modelopt(std::span<const float> w, int64_t rows, int64_t cols,
+                               std::span<uint8_t> codes, std::span<uint8_t> scales) {
+  static constexpr const char* kFn = "quantize_weight_modelopt";
+  check_weight_args(kFn, w, rows, cols, codes, scales);
+  const float s2 = modelopt_global_scale(checked_amax(kFn, "w", w.data(), rows * cols, cols));
+  quantize_blocks_modelopt(w.data(), rows, cols, s2, codes.data(), scales.data());
+  return s2;
+}
+
+void quantize_weight_with_global_scale(std::span<const float> w, int64_t rows, int64_t cols,
+                                       float global_scale, std::span<uint8_t> codes,
+                                       std::span<uint8_t> scales) {
+  static constexpr const char* kFn = "quantize_weight_with_global_scale";
+  check_weight_args(kFn, w, rows, cols, codes, scales);
+  check_positive_finite(kFn, "global_scale", global_scale);
+  // A separate validation pass, so that nothing is written when the input is rejected.
+  checked_amax(kFn, "w", w.data(), rows * cols, cols);
+  quantize_blocks_modelopt(w.data(), rows, cols, global_scale, codes.data(), scales.data());
+}
+
+void dequantize(const Nvfp4View& w, std::span<float> out) {
+  static constexpr const char* kFn = "dequantize";
+  const int64_t n = checked_elements(kFn, w.rows, w.cols, kNvfp4BlockSize);
+  check_span_size(kFn, "out", out.size(), n, w.rows, w.cols, "rows * cols fp32 values");
+  if (n == 0) return;
+  MEGAMOE_CHECK(w.codes != nullptr && w.scales != nullptr, kInvalidArgument, kFn,
+                ": the codes or scales pointer of a non-empty [", w.rows, ", ", w.cols,
+                "] weight is null.");
+  check_positive_finite(kFn, "global_scale (weight_scale_2)", w.global_scale);
+  const int64_t blocks = w.cols / kNvfp4BlockSize;
+  check_ue4m3_scales(kFn, w.scales, w.rows * blocks, blocks);
+  for (int64_t r = 0; r < w.rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float scale = kE4m3Values[w.scales[r * blocks + b]];
+      const uint8_t* in = w.codes + r * (w.cols / 2) + b * (kNvfp4BlockSize / 2);
+      float* o = out.data() + r * w.cols + b * kNvfp4BlockSize;
+      // e2m1 * ue4m3 has at most 2 + 4 significant bits: exact in fp32. The one rounding is
+      // the multiply by the global scale.
+      for (int j = 0; j < kNvfp4BlockSize / 2; ++j) {
+        o[2 * j] = (kE2m1Values[in[j] & 0xF] * scale) * w.global_scale;
+        o[2 * j + 1] = (kE2m1Values[in[j] >> 4] * scale) * w.global_scale;
+      }
+    }
+  }
+}
+
+void quantize_activation(std::span<const float> x, int64_t rows, int64_t cols, float gs,
+                         std::span<uint8_t> codes, std::span<uint8_t> scales) {
+  static constexpr const char* kFn = "quantize_activation";
+  const int64_t n = checked_elements(kFn, rows, cols, kNvfp4BlockSize);
+  check_span_size(kFn, "x", x.size(), n, rows, cols, "rows * cols fp32 values");
+  check_span_size(kFn, "codes", codes.size(), n / 2, rows, cols, "rows * cols / 2 packed bytes");
+  check_span_size(kFn, "scales", scales.size(), n / kNvfp4BlockSize, rows, cols,
+                  "rows * cols / 16 ue4m3 bytes");
+  check_positive_finite(kFn, "gs", gs);
+  checked_amax(kFn, "x", x.data(), n, cols);
+  const int64_t blocks = n / kNvfp4BlockSize;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    const float* v = x.data() + blk * kNvfp4BlockSize;
+    float amax_block = 0.0f;
+    for (int i = 0; i < kNvfp4BlockSize; ++i) {
+      const float a = std::fabs(v[i]);
+      amax_block = a > amax_block ? a : amax_block;
+    }
+    // fp32, left to right: sf = e4m3_rne(fl32(fl32(gs * amax_block) / 6)); f32_to_e4m3
+    // saturates at 448 (also when gs * amax_block overflows to infinity).
+    const uint8_t sf_code = f32_to_e4m3((gs * amax_block) / kE2m1Max);
+    scales[blk] = sf_code;
+    const float sf = kE4m3Values[sf_code];
+    uint8_t* out = codes.data() + blk * (kNvfp4BlockSize / 2);
+    if (sf == 0.0f) {
+      // The whole block is below the smallest scale: every element is 0.
+      std::fill(out, out + kNvfp4BlockSize / 2, uint8_t{0});
+      continue;
+    }
+    for (int j = 0; j < kNvfp4BlockSize / 2; ++j) {
+      out[j] = pack_e2m1_pair(f32_to_e2m1((v[2 * j] * gs) / sf),
+                              f32_to_e2m1((v[2 * j + 1] * gs) / sf));
+    }
+  }
+}
+
+void dequantize_activation(std::span<const uint8_t> codes, std::span<const uint8_t> scales,
+                           int64_t rows, int64_t cols, float gs, std::span<float> out) {
+  static constexpr const char* kFn = "dequantize_activation";
+  const int64_t n = checked_elements(kFn, rows, cols, kNvfp4BlockSize);
+  check_span_size(kFn, "codes", codes.size(), n / 2, rows, cols, "rows * cols / 2 packed bytes");
+  check_span_size(kFn, "scales", scales.size(), n / kNvfp4BlockSize, rows, cols,
+                  "rows * cols / 16 ue4m3 bytes");
+  check_span_size(kFn, "out", out.size(), n, rows, cols, "rows * cols fp32 values");
+  check_positive_finite(kFn, "gs", gs);
+  check_ue4m3_scales(kFn, scales.data(), n / kNvfp4BlockSize, cols / kNvfp4BlockSize);
+  for (int64_t i = 0; i < n; ++i) {
+    // e2m1 * sf is exact; the division by gs is the one rounding.
+    const float sf = kE4m3Values[scales[i / kNvfp4BlockSize]];
+    out[i] = (e2m1_to_f32(e2m1_code_at(codes.data(), i)) * sf) / gs;
+  }
+}
+
+void dequantize_mxfp4(std::span<const uint8_t> codes, std::span<const uint8_t> scales,
+                      int64_t rows, int64_t cols, std::span<float> out) {
+  static constexpr const char* kFn = "dequantize_mxfp4";
+  const int64_t n = checked_elements(kFn, rows, cols, kMxfp4BlockSize);
+  check_span_size(kFn, "codes", codes.size(), n / 2, rows, cols, "rows * cols / 2 packed bytes");
+  check_span_size(kFn, "scales", scales.size(), n / kMxfp4BlockSize, rows, cols,
+                  "rows * cols / 32 ue8m0 bytes");
+  check_span_size(kFn, "out", out.size(), n, rows, cols, "rows * cols fp32 values");
+  const int64_t blocks_per_row = cols / kMxfp4BlockSize;
+  for (int64_t i = 0; i < n / kMxfp4BlockSize; ++i) {
+    MEGAMOE_CHECK(scales[i] != 0xFF, kInvalidArgument, kFn, ": the ue8m0 scale of row ",
+                  i / blocks_per_row, ", block ", i % blocks_per_row,
+                  " is 0xFF (NaN); allowed scale bytes are 0x00..0xFE (2^-127..2^127).");
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    // A power-of-two scaling of a 2-bit significand: exact (0.5 * 2^-127 is still an fp32
+    // subnormal), except that magnitudes of 2^128 or more, reachable only with the two largest
+    // scale bytes, exceed fp32 and become infinity.
+    out[i] = e2m1_to_f32(e2m1_code_at(codes.data(), i)) *
+             ue8m0_to_f32(scales[i / kMxfp4BlockSize]);
+  }
+}
+
+}  // namespace megamoe::format
