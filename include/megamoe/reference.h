@@ -10,6 +10,10 @@
 
 namespace megamoe::reference {
 
+// Round-to-nearest-even from double straight to bf16: one rounding (rounding to fp32 first and
+// then to bf16 would round twice). Subnormals, overflow to infinity, signed zeros, NaN included.
+uint16_t f64_to_bf16(double v);
+
 // Top-k routing result, row-major [tokens, k].
 struct TopK {
   int64_t tokens = 0;
@@ -19,6 +23,9 @@ struct TopK {
 };
 
 // logits [T, E] = hidden(bf16) · router_weightᵀ, accumulated in double, rounded to fp32.
+// Each bf16·fp32 term is exact in double; one accumulator per logit, in index order.
+// Throws kInvalidArgument when the layer has no router weight, or router_weight is not [E, H],
+// or hidden is not tokens x H.
 std::vector<float> router_logits(const MoeLayer& layer, std::span<const uint16_t> hidden_bf16,
                                  int64_t tokens);
 
@@ -27,12 +34,24 @@ std::vector<float> router_logits(const MoeLayer& layer, std::span<const uint16_t
 // choice score s + bias; group score = sum of the group's top-2 choice scores; keep the best
 // topk_group groups (ties to the lower group); top-k experts among them by choice score (ties
 // to the lower index); weights = s of the chosen, divided by their sum when renormalize, times
-// routed_scaling_factor. `bias` is empty or [E].
+// routed_scaling_factor. `bias` is empty or [E] (noaux_tc only; softmax takes none).
+// Scores and weights are computed in double; each weight is rounded to fp32 once.
+// Order: each row lists its k experts by selection score descending (softmax: p; noaux_tc: the
+// biased choice score), equal scores by ascending expert index.
+// noaux_tc with renormalize: where every chosen sigmoid underflowed to 0 (logits below about
+// -745) the row's weights are 0 (as with HF's `sum + 1e-20` denominator).
+// Throws kInvalidArgument unless: tokens >= 0, num_experts >= 1, logits hold tokens x E finite
+// values, k in [1, E], routed_scaling_factor finite and > 0; for noaux_tc also n_group >= 1
+// divides E, groups hold >= 2 experts when n_group > 1, topk_group in [1, n_group],
+// k <= topk_group x E/n_group, and the bias is empty or E finite values.
 TopK route(const RoutingConfig& cfg, std::span<const float> logits, int64_t tokens,
            int64_t num_experts, std::span<const float> bias = {});
 
+// Options change speed and memory only: results are bitwise the same for every value.
 struct ForwardOptions {
-  int threads = 0;  // 0: std::thread::hardware_concurrency()
+  int threads = 0;           // 0: std::thread::hardware_concurrency()
+  int64_t chunk_tokens = 0;  // tokens per pass (each pass decodes its experts' weights once);
+                             // 0: as many as keep the per-(token, slot) outputs near 64 MiB
 };
 
 // W4A16 forward (DESIGN.md §2) from the NVFP4 tensors: per (token, expert) g = x·Wgᵀ·s2_gate,
@@ -40,6 +59,14 @@ struct ForwardOptions {
 // a = bf16(silu(g)·u); y = a·Wdᵀ·s2_down; out = bf16(Σ_k w_k·y_k + y_shared), summed in
 // double in top-k order. Ids must be in [0, E) (throws kInvalidArgument otherwise); a repeated
 // id in a row is allowed and counts twice.
+// Exactly: W = e2m1·ue4m3 decoded exactly (fp32); every dot product is one double accumulator
+// summed in index order (its terms x·W and a·W are exact in double), then times the global
+// scale in double; silu(g)·u = g/(1 + exp(-g))·u in double, rounded to bf16 once (straight from
+// double, never through fp32); the shared expert (weight 1) is added after the k slots; the
+// final double sum is rounded once (to bf16 here, to fp32 in moe_forward_f32).
+// Throws kInvalidArgument for an invalid layer (MoeLayer::validate), hidden not tokens x H,
+// topk not [tokens, k >= 1] with finite weights, or an invalid ue4m3 block scale in an expert
+// that is used (only those are read). tokens == 0 gives an empty result.
 std::vector<uint16_t> moe_forward(const MoeLayer& layer, std::span<const uint16_t> hidden_bf16,
                                   int64_t tokens, const TopK& topk,
                                   const ForwardOptions& opt = {});
