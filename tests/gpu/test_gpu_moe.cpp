@@ -58,6 +58,9 @@ struct Case {
   int only_expert = -1;
 };
 
+// gtest prints parameters in test names and failures: name the case instead of dumping bytes.
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
 void check_case(const Case& c, bool deterministic) {
   const unsigned seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << c.name << " H=" << c.H << " I=" << c.I << " E=" << c.E

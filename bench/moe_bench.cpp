@@ -1,0 +1,435 @@
+#include "bench/moe_bench.h"
+
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <set>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "bench/sm90_bf16_baseline.h"
+#include "megamoe/checkpoint.h"
+#include "megamoe/dtype.h"
+#include "megamoe/gpu.h"
+#include "megamoe/presets.h"
+#include "megamoe/reference.h"
+#include "megamoe/runtime.h"
+#include "megamoe/status.h"
+
+namespace megamoe::bench {
+namespace {
+
+using gpu::check_cuda;
+
+constexpr double kNvfp4BytesPerWeight = 0.5625;  // 4-bit code + one 1-byte scale per 16
+
+template <class T>
+struct DevBuf {
+  T* ptr = nullptr;
+  size_t count = 0;
+  explicit DevBuf(size_t n) : count(n) {
+    check_cuda(cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(n, 1) * sizeof(T)), "cudaMalloc");
+  }
+  ~DevBuf() { cudaFree(ptr); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  void upload(const std::vector<T>& h) {
+    check_cuda(cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), "H2D");
+  }
+  std::vector<T> download(size_t n) const {
+    std::vector<T> h(n);
+    check_cuda(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost), "D2H");
+    return h;
+  }
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// Times `fn` (which enqueues work on `stream`) `reps` times with CUDA events, flushing L2 by
+// overwriting a buffer twice its size before each run, as when other layers run in between.
+template <class Fn>
+double time_median_us(Fn&& fn, int reps, cudaStream_t stream, DevBuf<uint8_t>& flush) {
+  cudaEvent_t a, b;
+  check_cuda(cudaEventCreate(&a), "cudaEventCreate");
+  check_cuda(cudaEventCreate(&b), "cudaEventCreate");
+  std::vector<double> us;
+  for (int r = 0; r < reps; ++r) {
+    check_cuda(cudaMemsetAsync(flush.ptr, r & 0xFF, flush.count, stream), "L2 flush");
+    check_cuda(cudaEventRecord(a, stream), "cudaEventRecord");
+    fn();
+    check_cuda(cudaEventRecord(b, stream), "cudaEventRecord");
+    check_cuda(cudaEventSynchronize(b), "cudaEventSynchronize");
+    float ms = 0;
+    check_cuda(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+    us.push_back(1000.0 * ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return median(us);
+}
+
+// A captured CUDA graph of whatever `enqueue` puts on the stream.
+struct Graph {
+  cudaGraphExec_t exec = nullptr;
+  template <class Fn>
+  Graph(cudaStream_t stream, Fn&& enqueue) {
+    cudaGraph_t g;
+    check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+    enqueue();
+    check_cuda(cudaStreamEndCapture(stream, &g), "end capture");
+    check_cuda(cudaGraphInstantiate(&exec, g, 0), "cudaGraphInstantiate");
+    cudaGraphDestroy(g);
+  }
+  ~Graph() { if (exec) cudaGraphExecDestroy(exec); }
+  void launch(cudaStream_t s) const { check_cuda(cudaGraphLaunch(exec, s), "cudaGraphLaunch"); }
+};
+
+double measure_copy_tbps(cudaStream_t stream) {
+  const size_t bytes = size_t{2} << 30;
+  DevBuf<uint8_t> src(bytes), dst(bytes), none(1);
+  check_cuda(cudaMemset(src.ptr, 0x5A, bytes), "memset");
+  std::vector<double> us;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int r = 0; r < 12; ++r) {
+    cudaEventRecord(a, stream);
+    check_cuda(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, stream), "D2D copy");
+    cudaEventRecord(b, stream);
+    cudaEventSynchronize(b);
+    float ms;
+    cudaEventElapsedTime(&ms, a, b);
+    if (r >= 2) us.push_back(1000.0 * ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return 2.0 * bytes / (median(us) * 1e-6) / 1e12;  // read + write
+}
+
+double measure_bf16_tflops(cudaStream_t stream) {
+  const int n = 8192;
+  std::vector<uint16_t> h(size_t(n) * n);
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd;
+  for (auto& v : h) v = f32_to_bf16(nd(rng));
+  DevBuf<uint16_t> A(h.size()), B(h.size()), C(h.size());
+  A.upload(h);
+  B.upload(h);
+  cublasHandle_t handle;
+  MEGAMOE_CHECK(cublasCreate(&handle) == CUBLAS_STATUS_SUCCESS, kCuda, "cublasCreate failed");
+  cublasSetStream(handle, stream);
+  const float one = 1, zero = 0;
+  std::vector<double> us;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (int r = 0; r < 12; ++r) {
+    cudaEventRecord(a, stream);
+    MEGAMOE_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, A.ptr, CUDA_R_16BF, n, B.ptr,
+                               CUDA_R_16BF, n, &zero, C.ptr, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                               CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS,
+                  kCuda, "cublasGemmEx failed");
+    cudaEventRecord(b, stream);
+    cudaEventSynchronize(b);
+    float ms;
+    cudaEventElapsedTime(&ms, a, b);
+    if (r >= 2) us.push_back(1000.0 * ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  cublasDestroy(handle);
+  return 2.0 * double(n) * n * n / (median(us) * 1e-6) / 1e12;
+}
+
+// Uniform random distinct experts per token, weights positive and normalised.
+reference::TopK uniform_topk(std::mt19937_64& rng, int64_t T, int64_t E, int k) {
+  reference::TopK r;
+  r.tokens = T;
+  r.k = k;
+  r.ids.resize(size_t(T * k));
+  r.weights.resize(size_t(T * k));
+  std::uniform_real_distribution<float> u(0.1f, 1.0f);
+  for (int64_t t = 0; t < T; ++t) {
+    std::set<int32_t> chosen;
+    float sum = 0;
+    for (int j = 0; j < k; ++j) {
+      int32_t e;
+      do e = int32_t(rng() % uint64_t(E)); while (!chosen.insert(e).second);
+      r.ids[size_t(t * k + j)] = e;
+      sum += (r.weights[size_t(t * k + j)] = u(rng));
+    }
+    for (int j = 0; j < k; ++j) r.weights[size_t(t * k + j)] /= sum;
+  }
+  return r;
+}
+
+std::vector<uint16_t> random_hidden(std::mt19937_64& rng, int64_t T, int64_t H) {
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<uint16_t> x(size_t(T * H));
+  for (auto& v : x) v = f32_to_bf16(nd(rng));
+  return x;
+}
+
+double rel_l2(const std::vector<uint16_t>& got, const std::vector<float>& ref, int64_t* nonfinite) {
+  double num = 0, den = 0;
+  *nonfinite = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double g = bf16_to_f32(got[i]);
+    if (!std::isfinite(g)) { ++*nonfinite; continue; }
+    num += (g - ref[i]) * (g - ref[i]);
+    den += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+double cosine(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  double ab = 0, aa = 0, bb = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    const double x = bf16_to_f32(a[i]), y = bf16_to_f32(b[i]);
+    ab += x * y;
+    aa += x * x;
+    bb += y * y;
+  }
+  return ab / std::sqrt(std::max(aa * bb, 1e-300));
+}
+
+// Copies a host fp32 matrix into device bf16 at `dst`.
+void upload_bf16(const std::vector<float>& w, uint16_t* dst) {
+  std::vector<uint16_t> h(w.size());
+  for (size_t i = 0; i < w.size(); ++i) h[i] = f32_to_bf16(w[i]);
+  check_cuda(cudaMemcpy(dst, h.data(), h.size() * 2, cudaMemcpyHostToDevice), "H2D weights");
+}
+
+// Dequantizes an NVFP4 linear on the GPU into rows [row0, row0 + out) of `dst` (row-major bf16).
+void dequant_to(const Nvfp4Linear& lin, uint16_t* dst) {
+  DevBuf<uint8_t> codes(size_t(lin.out_features * lin.in_features / 2));
+  DevBuf<uint8_t> scales(size_t(lin.out_features * lin.in_features / 16));
+  check_cuda(cudaMemcpy(codes.ptr, lin.weight, codes.count, cudaMemcpyHostToDevice), "H2D");
+  check_cuda(cudaMemcpy(scales.ptr, lin.weight_scale, scales.count, cudaMemcpyHostToDevice), "H2D");
+  gpu::dequantize_nvfp4(codes.ptr, scales.ptr, lin.weight_scale_2, lin.out_features, lin.in_features, dst, nullptr);
+  check_cuda(cudaDeviceSynchronize(), "dequantize");
+}
+
+}  // namespace
+
+int run_bench(const BenchOptions& opt) {
+  MEGAMOE_CHECK(opt.replays >= 20, kInvalidArgument, "bench: --replays = ", opt.replays, " must be >= 20");
+  MEGAMOE_CHECK(!opt.tokens.empty(), kInvalidArgument, "bench: the token list is empty");
+  for (int64_t t : opt.tokens) {
+    MEGAMOE_CHECK(t >= 1 && t <= 65536, kInvalidArgument, "bench: token count ", t, " must be in 1..65536");
+  }
+  MEGAMOE_CHECK(gpu::device_count() > 0, kUnsupported, "bench: no CUDA device found; the benchmark needs a Hopper GPU");
+  cudaDeviceProp prop{};
+  check_cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  cudaStream_t stream;
+  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  const auto t_start = std::chrono::steady_clock::now();
+  auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count(); };
+
+  // ---- ceilings of this device, measured now
+  const double copy_tbps = measure_copy_tbps(stream);
+  const double mma_tflops = measure_bf16_tflops(stream);
+  std::fprintf(stderr, "bench: %s, %d SMs: copy %.2f TB/s, bf16 GEMM %.0f TFLOP/s [%.0fs]\n", prop.name,
+               prop.multiProcessorCount, copy_tbps, mma_tflops, elapsed());
+
+  // ---- the layer: a synthesized checkpoint (or the caller's), loaded like any other
+  std::string ckpt_dir = opt.checkpoint;
+  uint64_t seed = opt.seed;
+  bool synthesized = false;
+  if (ckpt_dir.empty()) {
+    const ModelPreset& preset = find_preset(opt.preset);
+    ckpt_dir = opt.work_dir.empty()
+                   ? (std::filesystem::temp_directory_path() / ("megamoe-bench-" + preset.name)).string()
+                   : opt.work_dir;
+    SynthOptions so;
+    so.seed = seed;
+    so.num_experts = opt.num_experts;
+    so.progress = true;
+    synth_checkpoint(preset, ckpt_dir, so);
+    synthesized = true;
+    std::fprintf(stderr, "bench: synthesized %s in %s [%.0fs]\n", preset.name.c_str(), ckpt_dir.c_str(), elapsed());
+  }
+  const Checkpoint ckpt = Checkpoint::open(ckpt_dir);
+  const ModelConfig config = load_model_config(ckpt_dir);
+  int64_t layer_index = opt.layer;
+  if (layer_index < 0) {
+    for (layer_index = 0; layer_index < config.num_hidden_layers && !config.is_moe_layer(layer_index); ++layer_index) {}
+  }
+  const MoeLayer layer = load_moe_layer(ckpt, config, layer_index);
+  const int64_t H = layer.hidden_size, I = layer.intermediate_size, E = layer.num_experts;
+  const int k = layer.routing.top_k;
+  const int64_t shared_I = layer.shared_expert ? layer.shared_expert->intermediate_size() : 0;
+  const std::string prefix = moe_prefix(layer_index);
+
+  const int64_t max_T = *std::max_element(opt.tokens.begin(), opt.tokens.end());
+  MoeProblem problem = MoeProblem::from_layer(layer, std::max<int64_t>(max_T, 64));
+  problem.deterministic = opt.deterministic;
+  const MoePlan plan = MoePlan::create(problem);
+  const MoeDeviceWeights weights = MoeDeviceWeights::upload(layer, stream);
+  DevBuf<uint8_t> workspace(plan.workspace_bytes());
+  std::fprintf(stderr, "bench: layer %lld: H=%lld I=%lld E=%lld top-%d shared I=%lld; NVFP4 weights %.2f GB on device, workspace %.2f GB [%.0fs]\n",
+               (long long)layer_index, (long long)H, (long long)I, (long long)E, k, (long long)shared_I,
+               weights.device_bytes() / 1e9, plan.workspace_bytes() / 1e9, elapsed());
+
+  auto run_ours = [&](const uint16_t* x, const int32_t* ids, const float* w, int64_t T, uint16_t* out) {
+    MoeRunArgs a{x, ids, w, T, out, workspace.ptr};
+    run(plan, weights, a, stream);
+  };
+
+  std::mt19937_64 rng(seed ^ 0xBE7C);
+  int status = 0;
+  nlohmann::json report;
+
+  // ---- accuracy: against the CPU reference on a few tokens
+  {
+    const int64_t T = opt.check_tokens;
+    const auto x = random_hidden(rng, T, H);
+    const auto topk = uniform_topk(rng, T, E, k);
+    DevBuf<uint16_t> dx(x.size()), dout(x.size());
+    DevBuf<int32_t> dids(topk.ids.size());
+    DevBuf<float> dw(topk.weights.size());
+    dx.upload(x);
+    dids.upload(topk.ids);
+    dw.upload(topk.weights);
+    check_cuda(cudaMemset(dout.ptr, 0xFF, dout.count * 2), "poison");
+    run_ours(dx.ptr, dids.ptr, dw.ptr, T, dout.ptr);
+    check_cuda(cudaStreamSynchronize(stream), "run");
+    const auto got = dout.download(x.size());
+    const auto ref = reference::moe_forward_f32(layer, x, T, topk);
+    int64_t bad = 0;
+    const double err = rel_l2(got, ref, &bad);
+    const bool ok = err <= 2e-3 && bad == 0;
+    status |= ok ? 0 : 1;
+    std::printf("accuracy vs CPU reference (T=%lld): rel L2 %.3g, non-finite %lld: %s\n", (long long)T, err,
+                (long long)bad, ok ? "PASS" : "FAIL");
+    report["accuracy"] = {{"tokens", T}, {"rel_l2", err}, {"non_finite", bad}, {"pass", ok}};
+  }
+
+  // ---- bf16 baseline weights: the unquantized originals first (cosine), then the dequantized
+  std::unique_ptr<Bf16BaselineMoe> base;
+  if (opt.baseline) {
+    base = std::make_unique<Bf16BaselineMoe>(H, I, E, shared_I, layer.swiglu_limit);
+    const int64_t ev = E + (shared_I > 0 ? 1 : 0);
+    auto expert_name = [&](int64_t e) {
+      return e < E ? prefix + ".experts." + std::to_string(e) : prefix + ".shared_experts";
+    };
+    if (synthesized) {
+      // Regenerate the unquantized weights (a pure function of seed and name) in parallel.
+      const int threads = int(std::max(1u, std::thread::hardware_concurrency()));
+      for (int64_t first = 0; first < ev; first += threads) {
+        const int64_t n = std::min<int64_t>(threads, ev - first);
+        std::vector<std::vector<float>> g(n), u(n), d(n);
+        std::vector<std::thread> pool;
+        for (int64_t i = 0; i < n; ++i) {
+          pool.emplace_back([&, i] {
+            const int64_t e = first + i, ie = base->expert_intermediate(e);
+            g[i] = synth_weight(seed, expert_name(e) + ".gate_proj.weight", ie, H);
+            u[i] = synth_weight(seed, expert_name(e) + ".up_proj.weight", ie, H);
+            d[i] = synth_weight(seed, expert_name(e) + ".down_proj.weight", H, ie);
+          });
+        }
+        for (auto& th : pool) th.join();
+        for (int64_t i = 0; i < n; ++i) {
+          const int64_t e = first + i, ie = base->expert_intermediate(e);
+          upload_bf16(g[i], base->w13(e));
+          upload_bf16(u[i], base->w13(e) + ie * H);
+          upload_bf16(d[i], base->w2(e));
+        }
+      }
+      const int64_t T = 64;
+      const auto x = random_hidden(rng, T, H);
+      const auto topk = uniform_topk(rng, T, E, k);
+      DevBuf<uint16_t> dx(x.size()), d_ours(x.size()), d_base(x.size());
+      DevBuf<int32_t> dids(topk.ids.size());
+      DevBuf<float> dw(topk.weights.size());
+      dx.upload(x);
+      dids.upload(topk.ids);
+      dw.upload(topk.weights);
+      run_ours(dx.ptr, dids.ptr, dw.ptr, T, d_ours.ptr);
+      base->set_routing(topk);
+      base->run(dx.ptr, d_base.ptr, stream);
+      check_cuda(cudaStreamSynchronize(stream), "cosine runs");
+      const double cos = cosine(d_ours.download(x.size()), d_base.download(x.size()));
+      std::printf("cosine similarity vs the unquantized bf16 layer (T=%lld): %.6f\n", (long long)T, cos);
+      report["cosine_vs_unquantized"] = cos;
+    }
+    for (int64_t e = 0; e < ev; ++e) {
+      const ExpertWeights& ex = e < E ? layer.experts[size_t(e)] : *layer.shared_expert;
+      const int64_t ie = base->expert_intermediate(e);
+      dequant_to(ex.gate, base->w13(e));
+      dequant_to(ex.up, base->w13(e) + ie * H);
+      dequant_to(ex.down, base->w2(e));
+    }
+    std::fprintf(stderr, "bench: bf16 baseline ready [%.0fs]\n", elapsed());
+  }
+
+  // ---- timing
+  DevBuf<uint8_t> flush(size_t(2) * size_t(prop.l2CacheSize));
+  std::printf("\n%s, %d SMs; copy %.2f TB/s, bf16 %.0f TFLOP/s (measured now). Layer H=%lld I=%lld E=%lld top-%d%s, %s\n",
+              prop.name, prop.multiProcessorCount, copy_tbps, mma_tflops, (long long)H, (long long)I, (long long)E, k,
+              shared_I ? " +shared" : "", opt.deterministic ? "deterministic" : "atomic combine");
+  std::printf("%7s %7s %10s %10s %8s %9s %9s %12s %8s\n", "T", "active", "floor_us", "us", "%floor", "TFLOP/s",
+              "GB/s", "bf16_us", "speedup");
+  report["device"] = prop.name;
+  report["copy_tbps"] = copy_tbps;
+  report["bf16_tflops"] = mma_tflops;
+  report["layer"] = {{"H", H}, {"I", I}, {"E", E}, {"top_k", k}, {"shared_I", shared_I}, {"preset", opt.checkpoint.empty() ? opt.preset : ckpt_dir}};
+  report["points"] = nlohmann::json::array();
+  for (int64_t T : opt.tokens) {
+    const auto x = random_hidden(rng, T, H);
+    const auto topk = uniform_topk(rng, T, E, k);
+    const int64_t active = int64_t(std::set<int32_t>(topk.ids.begin(), topk.ids.end()).size());
+    const double weights_bytes = kNvfp4BytesPerWeight * 3.0 * H * (double(active) * I + double(shared_I));
+    const double flops = 2.0 * 3.0 * H * double(T) * (double(k) * I + double(shared_I));
+    const double floor_us = std::max(weights_bytes / (copy_tbps * 1e12), flops / (mma_tflops * 1e12)) * 1e6;
+    DevBuf<uint16_t> dx(x.size()), dout(x.size());
+    DevBuf<int32_t> dids(topk.ids.size());
+    DevBuf<float> dw(topk.weights.size());
+    dx.upload(x);
+    dids.upload(topk.ids);
+    dw.upload(topk.weights);
+    run_ours(dx.ptr, dids.ptr, dw.ptr, T, dout.ptr);  // warm-up outside capture
+    check_cuda(cudaStreamSynchronize(stream), "warm-up");
+    const Graph ours(stream, [&] { run_ours(dx.ptr, dids.ptr, dw.ptr, T, dout.ptr); });
+    const double us = time_median_us([&] { ours.launch(stream); }, opt.replays, stream, flush);
+    double base_us = 0;
+    if (base) {
+      base->set_routing(topk);
+      DevBuf<uint16_t> bout(x.size());
+      base->run(dx.ptr, bout.ptr, stream);
+      check_cuda(cudaStreamSynchronize(stream), "baseline warm-up");
+      const Graph g(stream, [&] { base->run(dx.ptr, bout.ptr, stream); });
+      base_us = time_median_us([&] { g.launch(stream); }, opt.replays, stream, flush);
+    }
+    const double pct = 100.0 * floor_us / us;
+    std::printf("%7lld %7lld %10.1f %10.1f %7.1f%% %9.1f %9.0f %12.1f %7.2fx\n", (long long)T, (long long)active,
+                floor_us, us, pct, flops / us * 1e-6, weights_bytes / us * 1e-3, base_us,
+                base_us > 0 ? base_us / us : 0.0);
+    std::fflush(stdout);
+    report["points"].push_back({{"tokens", T}, {"active_experts", active}, {"floor_us", floor_us}, {"us", us},
+                                {"pct_floor", pct}, {"tflops", flops / us * 1e-6}, {"weight_gbps", weights_bytes / us * 1e-3},
+                                {"bf16_us", base_us}, {"config", plan.describe(T)}});
+  }
+  if (!opt.json.empty()) {
+    std::ofstream f(opt.json);
+    MEGAMOE_CHECK(f.good(), kIo, "bench: cannot write '", opt.json, "'");
+    f << report.dump(2) << "\n";
+  }
+  cudaStreamDestroy(stream);
+  return status;
+}
+
+}  // namespace megamoe::bench

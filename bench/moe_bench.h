@@ -1,0 +1,29 @@
+// `megamoe bench`: the W4A16 MoE layer against its floor and the bf16 cuBLAS baseline.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace megamoe::bench {
+
+struct BenchOptions {
+  std::string preset = "deepseek-v3";
+  std::string checkpoint;  // an existing checkpoint dir instead of a synthesized layer
+  int64_t layer = -1;      // with checkpoint: the MoE layer (default: the first one)
+  std::vector<int64_t> tokens = {1, 4, 16, 64, 256, 1024, 4096, 16384};
+  int64_t num_experts = 0;  // synth only: 0 = the preset's
+  int replays = 30;         // timed CUDA-graph replays per point (median reported), >= 20
+  int check_tokens = 4;     // tokens checked against the CPU reference
+  bool baseline = true;     // time the bf16 cuBLAS baseline too
+  bool deterministic = false;
+  uint64_t seed = 0x5eed;
+  std::string json;         // write the results here when set
+  std::string work_dir;     // where the synthesized checkpoint goes (default: a temp dir)
+};
+
+// Runs the benchmark, prints the table on stdout (progress on stderr). Returns 0 when the
+// accuracy checks pass, 1 otherwise; throws megamoe::Error on bad options or CUDA failures.
+int run_bench(const BenchOptions& opt);
+
+}  // namespace megamoe::bench

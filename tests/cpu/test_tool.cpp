@@ -1,0 +1,928 @@
+// The synthetic-checkpoint generator, the model presets and the `megamoe` tool. The tool is run
+// as a process (MEGAMOE_TOOL_PATH) on temporary directories, and every result is compared with the
+// library called directly: quantize bit for bit with format::quantize_weight_modelopt, dequantize
+// with format::dequantize, reference with reference::moe_forward/route on the loaded layer.
+
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <set>
+#include <span>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "megamoe/checkpoint.h"
+#include "megamoe/dtype.h"
+#include "megamoe/format.h"
+#include "megamoe/presets.h"
+#include "megamoe/reference.h"
+#include "megamoe/safetensors.h"
+#include "megamoe/status.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using megamoe::Checkpoint;
+using megamoe::DType;
+using megamoe::SafetensorsFile;
+using megamoe::TensorSpec;
+using nlohmann::json;
+
+// ---- helpers ---------------------------------------------------------------------------------
+
+uint64_t fresh_seed() {
+  std::random_device rd;
+  return (uint64_t(rd()) << 32) ^ rd();
+}
+
+struct ToolResult {
+  int code = -1;
+  std::string output;  // stdout and stderr together
+};
+
+// Runs `megamoe ARGS` and captures its exit code and output.
+ToolResult run_tool(const std::string& args) {
+  const std::string cmd = std::string("'") + MEGAMOE_TOOL_PATH + "' " + args + " 2>&1";
+  ToolResult r;
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof(buf), pipe)) > 0) r.output.append(buf, n);
+  const int status = pclose(pipe);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+std::string q(const fs::path& p) { return "'" + p.string() + "'"; }
+
+template <typename T>
+std::span<const uint8_t> bytes_of(const std::vector<T>& v) {
+  return {reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(T)};
+}
+
+template <typename T>
+std::vector<T> read_tensor(const SafetensorsFile& f, const std::string& name) {
+  const megamoe::TensorInfo* t = f.find(name);
+  if (t == nullptr) {
+    ADD_FAILURE() << "tensor '" << name << "' missing from " << f.path();
+    return {};
+  }
+  const auto b = f.bytes(*t);
+  std::vector<T> v(b.size() / sizeof(T));
+  std::memcpy(v.data(), b.data(), v.size() * sizeof(T));
+  return v;
+}
+
+std::vector<uint8_t> raw_bytes(const SafetensorsFile& f, const std::string& name) {
+  return read_tensor<uint8_t>(f, name);
+}
+
+// Random weights with a different magnitude per row and per 16-block, as raw BF16/F16/F32 bytes
+// (and their exact fp32 values).
+struct RandomTensor {
+  std::vector<uint8_t> bytes;
+  std::vector<float> values;
+};
+RandomTensor random_tensor(std::mt19937_64& rng, DType dtype, int64_t rows, int64_t cols) {
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::uniform_real_distribution<float> log_scale(-8.0f, 2.0f);
+  RandomTensor t;
+  t.values.resize(size_t(rows * cols));
+  t.bytes.resize(t.values.size() * size_t(megamoe::dtype_size(dtype)));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float row_scale = std::exp2(log_scale(rng));
+    float block_scale = 1.0f;
+    for (int64_t c = 0; c < cols; ++c) {
+      if (c % 16 == 0) block_scale = std::exp2(0.5f * log_scale(rng));
+      const size_t i = size_t(r * cols + c);
+      const float x = row_scale * block_scale * normal(rng);
+      if (dtype == DType::BF16) {
+        const uint16_t h = megamoe::f32_to_bf16(x);
+        std::memcpy(&t.bytes[2 * i], &h, 2);
+        t.values[i] = megamoe::bf16_to_f32(h);
+      } else if (dtype == DType::F16) {
+        const uint16_t h = megamoe::f32_to_f16(x);
+        std::memcpy(&t.bytes[2 * i], &h, 2);
+        t.values[i] = megamoe::f16_to_f32(h);
+      } else {
+        std::memcpy(&t.bytes[4 * i], &x, 4);
+        t.values[i] = x;
+      }
+    }
+  }
+  return t;
+}
+
+// A named tensor held in memory, for write_safetensors.
+struct Owned {
+  TensorSpec spec;
+  std::vector<uint8_t> bytes;
+};
+void write_file(const fs::path& path, const std::vector<Owned>& tensors,
+                const std::map<std::string, std::string>& metadata = {}) {
+  std::vector<std::pair<TensorSpec, std::span<const uint8_t>>> list;
+  for (const Owned& t : tensors) list.emplace_back(t.spec, t.bytes);
+  megamoe::write_safetensors(path.string(), list, metadata);
+}
+template <typename T>
+std::vector<uint8_t> to_bytes(const std::vector<T>& v) {
+  const auto b = bytes_of(v);
+  return {b.begin(), b.end()};
+}
+
+class TempDir : public testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("megamoe_tool_test_" + std::to_string(fresh_seed() % 1000000000000ull));
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+// ---- presets and synth_weight ------------------------------------------------------------------
+
+TEST(SynthPresets, DesignTableAndLookup) {
+  struct Row {
+    const char* name;
+    int64_t h, i, e;
+    int k, shared;
+    megamoe::RoutingKind kind;
+    int n_group, topk_group;
+    float scaling;
+    int64_t layer;
+  };
+  const megamoe::RoutingKind noaux = megamoe::RoutingKind::kNoauxTc;
+  const megamoe::RoutingKind softmax = megamoe::RoutingKind::kSoftmaxTopK;
+  const Row rows[] = {{"deepseek-v3", 7168, 2048, 256, 8, 1, noaux, 8, 4, 2.5f, 3},
+                      {"deepseek-v4-flash", 4096, 2048, 256, 6, 1, noaux, 1, 1, 1.5f, 3},
+                      {"kimi-k2", 7168, 2048, 384, 8, 1, noaux, 1, 1, 2.827f, 1},
+                      {"qwen3-235b-a22b", 4096, 1536, 128, 8, 0, softmax, 1, 1, 1.0f, 0},
+                      {"qwen3-30b-a3b", 2048, 768, 128, 8, 0, softmax, 1, 1, 1.0f, 0}};
+  ASSERT_EQ(megamoe::model_presets().size(), std::size(rows));
+  for (const Row& r : rows) {
+    SCOPED_TRACE(r.name);
+    const megamoe::ModelPreset& p = megamoe::find_preset(r.name);
+    EXPECT_EQ(p.name, r.name);
+    EXPECT_EQ(p.hidden_size, r.h);
+    EXPECT_EQ(p.intermediate_size, r.i);
+    EXPECT_EQ(p.num_experts, r.e);
+    EXPECT_EQ(p.top_k, r.k);
+    EXPECT_EQ(p.routing.top_k, r.k);
+    EXPECT_EQ(p.n_shared_experts, r.shared);
+    EXPECT_EQ(p.routing.kind, r.kind);
+    EXPECT_TRUE(p.routing.renormalize);
+    EXPECT_EQ(p.routing.n_group, r.n_group);
+    EXPECT_EQ(p.routing.topk_group, r.topk_group);
+    EXPECT_EQ(p.routing.routed_scaling_factor, r.scaling);
+    EXPECT_EQ(p.layer, r.layer);
+    EXPECT_EQ(p.architecture, r.kind == noaux ? "DeepseekV3ForCausalLM" : "Qwen3MoeForCausalLM");
+    EXPECT_EQ(p.swiglu_limit.has_value(), std::string(r.name) == "deepseek-v4-flash");
+  }
+  EXPECT_EQ(*megamoe::find_preset("deepseek-v4-flash").swiglu_limit, 10.0f);
+  EXPECT_EQ(megamoe::moe_prefix(3), "model.layers.3.mlp");
+  try {
+    megamoe::find_preset("deepseek-v2");
+    ADD_FAILURE() << "find_preset accepted an unknown name";
+  } catch (const megamoe::Error& e) {
+    EXPECT_EQ(e.code(), megamoe::ErrorCode::kInvalidArgument);
+    const std::string what = e.what();
+    EXPECT_NE(what.find("'deepseek-v2'"), std::string::npos) << what;
+    for (const Row& r : rows) EXPECT_NE(what.find(r.name), std::string::npos) << what;
+  }
+}
+
+TEST(SynthWeight, PureDeterministicAndNameDependent) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const std::string name = "model.layers.0.mlp.experts.5.gate_proj.weight";
+  const std::vector<float> a = megamoe::synth_weight(seed, name, 37, 96);
+  // Other tensors generated in between change nothing: there is no generator state.
+  (void)megamoe::synth_weight(seed, "something.else.weight", 64, 64);
+  const std::vector<float> b = megamoe::synth_weight(seed, name, 37, 96);
+  ASSERT_EQ(a.size(), size_t(37 * 96));
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0);
+
+  auto differing = [&](const std::vector<float>& other) {
+    size_t n = 0;
+    for (size_t i = 0; i < a.size(); ++i) n += a[i] != other[i];
+    return n;
+  };
+  EXPECT_GT(differing(megamoe::synth_weight(seed, name + "x", 37, 96)), a.size() * 9 / 10);
+  EXPECT_GT(differing(megamoe::synth_weight(seed + 1, name, 37, 96)), a.size() * 9 / 10);
+  for (const float v : a) {
+    ASSERT_TRUE(std::isfinite(v));
+    ASSERT_EQ(megamoe::round_to_bf16(v), v) << "not a bf16 value";
+  }
+  EXPECT_TRUE(megamoe::synth_weight(seed, name, 0, 16).empty());
+  EXPECT_THROW(megamoe::synth_weight(seed, name, -1, 16), megamoe::Error);
+}
+
+TEST(SynthWeight, RealisticDistribution) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const int64_t rows = 512, cols = 2048;
+  const std::vector<float> w =
+      megamoe::synth_weight(seed, "model.layers.0.mlp.experts.0.gate_proj.weight", rows, cols);
+
+  double sum_sq = 0.0;
+  std::vector<double> row_rms(static_cast<size_t>(rows));
+  for (int64_t r = 0; r < rows; ++r) {
+    double s = 0.0;
+    for (int64_t c = 0; c < cols; ++c)
+      s += double(w[size_t(r * cols + c)]) * w[size_t(r * cols + c)];
+    sum_sq += s;
+    row_rms[size_t(r)] = std::sqrt(s / double(cols));
+  }
+  const double std_all = std::sqrt(sum_sq / double(rows * cols));
+  EXPECT_GT(std_all, 0.01);  // scaled like trained weights (std ~0.02)
+  EXPECT_LT(std_all, 0.05);
+  const auto [lo, hi] = std::minmax_element(row_rms.begin(), row_rms.end());
+  EXPECT_GT(*hi / *lo, 2.0) << "rows should differ in magnitude";
+
+  // Rare outliers: far beyond what the bulk of a row reaches, and about 1e-4 of the elements.
+  // Dead blocks: blocks whose magnitude is a tiny fraction of their row's.
+  int64_t outliers = 0, dead_blocks = 0;
+  std::vector<double> block_rms_in_row0;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < cols / 16; ++b) {
+      double s = 0.0;
+      for (int64_t c = b * 16; c < b * 16 + 16; ++c) {
+        const double x = w[size_t(r * cols + c)];
+        s += x * x;
+        outliers += std::fabs(x) > 9.0 * row_rms[size_t(r)];
+      }
+      const double rms = std::sqrt(s / 16.0);
+      dead_blocks += rms < 0.01 * row_rms[size_t(r)];
+      if (r == 0) block_rms_in_row0.push_back(rms);
+    }
+  }
+  EXPECT_GT(outliers, 0);
+  EXPECT_LT(outliers, rows * cols / 1000);
+  EXPECT_GT(dead_blocks, 0);
+  EXPECT_LT(dead_blocks, rows * cols / 16 / 100);
+  std::sort(block_rms_in_row0.begin(), block_rms_in_row0.end());
+  EXPECT_GT(block_rms_in_row0[block_rms_in_row0.size() * 9 / 10] /
+                block_rms_in_row0[block_rms_in_row0.size() / 10],
+            1.4)
+      << "16-blocks along a row should differ in magnitude";
+}
+
+// ---- synth_checkpoint --------------------------------------------------------------------------
+
+class SynthCheckpoint : public TempDir {};
+
+TEST_F(SynthCheckpoint, LayerLoadsWithRecipeBytesAndDistinctGlobalScales) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  // A small DeepSeek-style preset: grouped noaux_tc, a shared expert twice as wide, a clamp.
+  megamoe::ModelPreset p = megamoe::find_preset("deepseek-v3");
+  p.name = "tiny-deepseek";
+  p.hidden_size = 256;
+  p.intermediate_size = 64;
+  p.num_experts = 16;
+  p.top_k = p.routing.top_k = 6;
+  p.routing.n_group = 4;
+  p.routing.topk_group = 2;
+  p.n_shared_experts = 2;
+  p.swiglu_limit = 7.0f;
+  p.layer = 2;
+  megamoe::synth_checkpoint(p, dir_.string(), {.seed = seed, .num_experts = 0, .threads = 3});
+
+  const megamoe::ModelConfig config = megamoe::load_model_config(dir_.string());
+  EXPECT_EQ(config.architecture, "DeepseekV3ForCausalLM");
+  EXPECT_EQ(config.quant_format, megamoe::QuantFormat::kModelOptNvfp4);
+  EXPECT_EQ(config.num_hidden_layers, 3);
+  EXPECT_EQ(config.first_k_dense_replace, 2);
+  EXPECT_EQ(config.swiglu_limit, std::optional<float>(7.0f));
+  const megamoe::RoutingConfig r = config.routing();
+  EXPECT_EQ(r.kind, megamoe::RoutingKind::kNoauxTc);
+  EXPECT_EQ(r.top_k, 6);
+  EXPECT_EQ(r.n_group, 4);
+  EXPECT_EQ(r.topk_group, 2);
+  EXPECT_EQ(r.routed_scaling_factor, 2.5f);
+  const json hf = json::parse(std::ifstream(dir_ / "hf_quant_config.json"));
+  EXPECT_EQ(hf["quantization"]["quant_algo"], "NVFP4");
+  EXPECT_EQ(hf["quantization"]["group_size"], 16);
+  EXPECT_EQ(hf["quantization"]["exclude_modules"], json({"lm_head", "model.layers.2.mlp.gate"}));
+  EXPECT_EQ(hf["producer"]["name"], "megamoe");
+
+  const Checkpoint ckpt = Checkpoint::open(dir_.string());
+  const megamoe::MoeLayer layer = megamoe::load_moe_layer(ckpt, config, 2);
+  ASSERT_EQ(layer.experts.size(), 16u);
+  ASSERT_TRUE(layer.shared_expert.has_value());
+  EXPECT_EQ(layer.shared_expert->intermediate_size(), 128);
+  EXPECT_EQ(layer.router_weight.size(), size_t(16 * 256));
+  ASSERT_EQ(layer.e_score_correction_bias.size(), 16u);
+  std::set<float> biases(layer.e_score_correction_bias.begin(),
+                         layer.e_score_correction_bias.end());
+  EXPECT_EQ(biases.size(), 16u) << "every expert gets its own correction bias";
+  const auto router = ckpt.get("model.layers.2.mlp.gate.weight");
+  EXPECT_EQ(router.info->dtype, DType::BF16);
+  EXPECT_EQ(ckpt.get("model.layers.2.mlp.gate.e_score_correction_bias").info->dtype, DType::F32);
+
+  std::set<float> gate_scales;
+  for (size_t e = 0; e <= layer.experts.size(); ++e) {
+    const megamoe::ExpertWeights& x =
+        e < layer.experts.size() ? layer.experts[e] : *layer.shared_expert;
+    SCOPED_TRACE(testing::Message() << "expert " << e);
+    // Clearly different global scales for gate, up and down of every expert.
+    EXPECT_GT(x.up.weight_scale_2 / x.gate.weight_scale_2, 1.3f);
+    EXPECT_LT(x.up.weight_scale_2 / x.gate.weight_scale_2, 1.7f);
+    EXPECT_GT(std::fabs(x.down.weight_scale_2 / x.gate.weight_scale_2 - 1.0f), 0.1f);
+    gate_scales.insert(x.gate.weight_scale_2);
+    // Gate and up see the same input, so they share a static input scale; down has its own.
+    EXPECT_GT(x.gate.input_scale, 0.0f);
+    EXPECT_EQ(x.gate.input_scale, x.up.input_scale);
+    EXPECT_NE(x.down.input_scale, x.gate.input_scale);
+  }
+  EXPECT_GT(gate_scales.size(), 10u) << "experts should differ in global scale";
+
+  // The bytes are the ModelOpt recipe applied to synth_weight, so the weights can be regenerated.
+  for (const std::string proj : {"experts.11.up_proj", "shared_experts.down_proj"}) {
+    SCOPED_TRACE(proj);
+    const std::string prefix = "model.layers.2.mlp." + proj;
+    const megamoe::Nvfp4Linear lin =
+        megamoe::load_nvfp4_linear(ckpt, prefix, proj.starts_with("shared") ? 256 : 64,
+                                   proj.starts_with("shared") ? 128 : 256);
+    const std::vector<float> w =
+        megamoe::synth_weight(seed, prefix + ".weight", lin.out_features, lin.in_features);
+    std::vector<uint8_t> codes(w.size() / 2), scales(w.size() / 16);
+    const float s2 = megamoe::format::quantize_weight_modelopt(w, lin.out_features, lin.in_features,
+                                                               codes, scales);
+    EXPECT_EQ(s2, lin.weight_scale_2);
+    EXPECT_EQ(std::memcmp(codes.data(), lin.weight, codes.size()), 0);
+    EXPECT_EQ(std::memcmp(scales.data(), lin.weight_scale, scales.size()), 0);
+  }
+  const std::vector<float> router_w =
+      megamoe::synth_weight(seed, "model.layers.2.mlp.gate.weight", 16, 256);
+  EXPECT_EQ(layer.router_weight, router_w);
+}
+
+TEST_F(SynthCheckpoint, ReducedExpertCountKeepsAValidRouting) {
+  // 6 experts cannot form deepseek-v3's 8 groups: routing falls back to ungrouped, top-6.
+  megamoe::ModelPreset p = megamoe::find_preset("deepseek-v3");
+  p.hidden_size = 64;
+  p.intermediate_size = 32;
+  megamoe::synth_checkpoint(p, dir_.string(), {.seed = 1, .num_experts = 6, .threads = 1});
+  const megamoe::ModelConfig c = megamoe::load_model_config(dir_.string());
+  EXPECT_EQ(c.num_experts, 6);
+  EXPECT_EQ(c.n_group, 1);
+  EXPECT_EQ(c.topk_group, 1);
+  EXPECT_EQ(c.num_experts_per_tok, 6);
+  // 16 experts still form 8 groups of 2, and 4 groups offer the 8 experts top-8 needs.
+  megamoe::synth_checkpoint(p, dir_.string(), {.seed = 1, .num_experts = 16, .threads = 2});
+  const megamoe::ModelConfig d = megamoe::load_model_config(dir_.string());
+  EXPECT_EQ(d.n_group, 8);
+  EXPECT_EQ(d.topk_group, 4);
+  EXPECT_EQ(d.num_experts_per_tok, 8);
+  EXPECT_NO_THROW(megamoe::load_moe_layer(Checkpoint::open(dir_.string()), d, 3));
+}
+
+TEST_F(SynthCheckpoint, RejectsBadOptionsAndPresets) {
+  const megamoe::ModelPreset& p = megamoe::find_preset("qwen3-30b-a3b");
+  EXPECT_THROW(megamoe::synth_checkpoint(p, dir_.string(), {.num_experts = -1}), megamoe::Error);
+  EXPECT_THROW(megamoe::synth_checkpoint(p, dir_.string(), {.threads = -2}), megamoe::Error);
+  EXPECT_THROW(megamoe::synth_checkpoint(p, "", {}), megamoe::Error);
+  megamoe::ModelPreset bad = p;
+  bad.hidden_size = 100;  // not a multiple of 16
+  EXPECT_THROW(megamoe::synth_checkpoint(bad, dir_.string(), {.num_experts = 2}), megamoe::Error);
+  bad = p;
+  bad.n_shared_experts = 1;  // Qwen3-MoE has no shared expert
+  EXPECT_THROW(megamoe::synth_checkpoint(bad, dir_.string(), {.num_experts = 2}), megamoe::Error);
+  bad = p;
+  bad.architecture = "MixtralForCausalLM";
+  EXPECT_THROW(megamoe::synth_checkpoint(bad, dir_.string(), {.num_experts = 2}), megamoe::Error);
+  // A file where the directory should be.
+  std::ofstream(dir_ / "file") << "x";
+  EXPECT_THROW(megamoe::synth_checkpoint(p, (dir_ / "file").string(), {.num_experts = 2}),
+               megamoe::Error);
+}
+
+// ---- the tool: synth, inspect, reference -------------------------------------------------------
+
+class ToolSynth : public TempDir {
+ protected:
+  // qwen3-30b-a3b with 4 experts (H 2048, I 768): small enough for a test, real shapes.
+  void synth() {
+    seed_ = fresh_seed();
+    ckpt_ = dir_ / "ckpt";
+    const ToolResult r =
+        run_tool("synth --preset qwen3-30b-a3b --num-experts 4 --threads 2 --seed " +
+                 std::to_string(seed_) + " " + q(ckpt_));
+    ASSERT_EQ(r.code, 0) << r.output;
+  }
+  // hidden [tokens, 2048] BF16 with a different magnitude per token.
+  std::vector<uint16_t> random_hidden(std::mt19937_64& rng, int64_t tokens) {
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::uniform_real_distribution<float> log_scale(-2.0f, 2.0f);
+    std::vector<uint16_t> h(size_t(tokens * 2048));
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float s = std::exp2(log_scale(rng));
+      for (int64_t c = 0; c < 2048; ++c)
+        h[size_t(t * 2048 + c)] = megamoe::f32_to_bf16(s * normal(rng));
+    }
+    return h;
+  }
+  megamoe::MoeLayer load_layer() {
+    return megamoe::load_moe_layer(Checkpoint::open(ckpt_.string()),
+                                   megamoe::load_model_config(ckpt_.string()), 0);
+  }
+  uint64_t seed_ = 0;
+  fs::path ckpt_;
+};
+
+TEST_F(ToolSynth, InspectFindsFormatAndLayer) {
+  ASSERT_NO_FATAL_FAILURE(synth());
+  SCOPED_TRACE(testing::Message() << "seed " << seed_);
+  const ToolResult text = run_tool("inspect " + q(ckpt_));
+  ASSERT_EQ(text.code, 0) << text.output;
+  EXPECT_NE(text.output.find("format: ModelOpt NVFP4"), std::string::npos) << text.output;
+  EXPECT_NE(text.output.find("layer 0: 4 experts, H 2048, I 768, shared expert no, router yes"),
+            std::string::npos)
+      << text.output;
+  EXPECT_NE(text.output.find("model.layers.0.mlp.experts.3.down_proj.weight_scale"),
+            std::string::npos);
+
+  const ToolResult r = run_tool("inspect --json " + q(ckpt_ / "model.safetensors"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const json j = json::parse(r.output);
+  EXPECT_EQ(j["format"], "modelopt-nvfp4");
+  ASSERT_EQ(j["moe_layers"].size(), 1u);
+  EXPECT_EQ(j["moe_layers"][0], json({{"layer", 0},
+                                      {"experts", 4},
+                                      {"hidden_size", 2048},
+                                      {"intermediate_size", 768},
+                                      {"shared_expert", false},
+                                      {"router", true}}));
+  EXPECT_EQ(j["tensors"].size(), 49u);  // router + 4 experts x 3 projections x 4 tensors
+  const auto file = SafetensorsFile::open((ckpt_ / "model.safetensors").string());
+  ASSERT_EQ(j["nvfp4"].size(), 12u);
+  for (const json& s : j["nvfp4"]) {
+    const std::string base = s["name"];
+    SCOPED_TRACE(base);
+    EXPECT_EQ(s["global_scale"].get<float>(),
+              read_tensor<float>(*file, base + ".weight_scale_2")[0]);
+    const std::vector<uint8_t> scales = raw_bytes(*file, base + ".weight_scale");
+    EXPECT_EQ(s["block_scales"]["count"], scales.size());
+    EXPECT_EQ(s["rows"].get<int64_t>() * s["cols"].get<int64_t>() / 16, int64_t(scales.size()));
+    std::vector<float> v;
+    int64_t subnormal = 0;
+    for (const uint8_t b : scales) {
+      v.push_back(megamoe::format::e4m3_to_f32(b));
+      subnormal += b >= 1 && b <= 7;
+    }
+    std::sort(v.begin(), v.end());
+    EXPECT_EQ(s["block_scales"]["min"].get<float>(), v.front());
+    EXPECT_EQ(s["block_scales"]["max"].get<float>(), v.back());
+    EXPECT_EQ(s["block_scales"]["median"].get<float>(), v[(v.size() + 1) / 2 - 1]);
+    EXPECT_EQ(s["block_scales"]["subnormal"].get<int64_t>(), subnormal);
+    EXPECT_GT(subnormal, 0) << "synthetic layers carry some subnormal block scales";
+    EXPECT_EQ(s["block_scales"]["invalid"], 0);
+  }
+}
+
+TEST_F(ToolSynth, ReferenceWithGivenAndComputedRouting) {
+  ASSERT_NO_FATAL_FAILURE(synth());
+  std::mt19937_64 rng(seed_);
+  SCOPED_TRACE(testing::Message() << "seed " << seed_);
+  const int64_t T = 5;
+  const std::vector<uint16_t> hidden = random_hidden(rng, T);
+  const megamoe::MoeLayer layer = load_layer();
+
+  // Given routing (I64 ids, one repeated id, weights of both signs and magnitudes).
+  megamoe::reference::TopK given;
+  given.tokens = T;
+  given.k = 3;
+  std::vector<int64_t> ids64;
+  std::uniform_int_distribution<int> expert(0, 3);
+  std::uniform_real_distribution<float> weight(-0.5f, 2.0f);
+  for (int64_t i = 0; i < T * 3; ++i) {
+    ids64.push_back(expert(rng));
+    given.ids.push_back(int32_t(ids64.back()));
+    given.weights.push_back(weight(rng));
+  }
+  const fs::path x1 = dir_ / "x1.safetensors", y1 = dir_ / "y1.safetensors";
+  write_file(x1, {{{"hidden", DType::BF16, {T, 2048}}, to_bytes(hidden)},
+                  {{"topk_ids", DType::I64, {T, 3}}, to_bytes(ids64)},
+                  {{"topk_weights", DType::F32, {T, 3}}, to_bytes(given.weights)}});
+  ToolResult r = run_tool("reference --checkpoint " + q(ckpt_) + " --layer 0 --input " + q(x1) +
+                          " --output " + q(y1) + " --threads 2");
+  ASSERT_EQ(r.code, 0) << r.output;
+  {
+    const auto y = SafetensorsFile::open(y1.string());
+    EXPECT_EQ(y->find("output")->shape, (std::vector<int64_t>{T, 2048}));
+    EXPECT_EQ(y->find("output")->dtype, DType::BF16);
+    EXPECT_EQ(read_tensor<uint16_t>(*y, "output"),
+              megamoe::reference::moe_forward(layer, hidden, T, given));
+    EXPECT_EQ(y->find("topk_ids")->dtype, DType::I32);
+    EXPECT_EQ(read_tensor<int32_t>(*y, "topk_ids"), given.ids);
+    EXPECT_EQ(read_tensor<float>(*y, "topk_weights"), given.weights);
+  }
+
+  // The same ids as I32 give the same output.
+  const fs::path x2 = dir_ / "x2.safetensors", y2 = dir_ / "y2.safetensors";
+  write_file(x2, {{{"hidden", DType::BF16, {T, 2048}}, to_bytes(hidden)},
+                  {{"topk_ids", DType::I32, {T, 3}}, to_bytes(given.ids)},
+                  {{"topk_weights", DType::F32, {T, 3}}, to_bytes(given.weights)}});
+  r = run_tool("reference --checkpoint " + q(ckpt_) + " --layer 0 --input " + q(x2) + " --output " +
+               q(y2));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(raw_bytes(*SafetensorsFile::open(y1.string()), "output"),
+            raw_bytes(*SafetensorsFile::open(y2.string()), "output"));
+
+  // Routing from the layer's router and the config (softmax top-4 of 4, renormalised).
+  const fs::path x3 = dir_ / "x3.safetensors", y3 = dir_ / "y3.safetensors";
+  write_file(x3, {{{"hidden", DType::BF16, {T, 2048}}, to_bytes(hidden)}});
+  r = run_tool("reference --checkpoint " + q(ckpt_) + " --layer 0 --input " + q(x3) + " --output " +
+               q(y3));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::vector<float> logits = megamoe::reference::router_logits(layer, hidden, T);
+  const megamoe::reference::TopK routed =
+      megamoe::reference::route(layer.routing, logits, T, 4, layer.e_score_correction_bias);
+  EXPECT_EQ(routed.k, 4);
+  const auto y = SafetensorsFile::open(y3.string());
+  EXPECT_EQ(read_tensor<int32_t>(*y, "topk_ids"), routed.ids);
+  EXPECT_EQ(read_tensor<float>(*y, "topk_weights"), routed.weights);
+  EXPECT_EQ(y->find("topk_ids")->shape, (std::vector<int64_t>{T, 4}));
+  EXPECT_EQ(read_tensor<uint16_t>(*y, "output"),
+            megamoe::reference::moe_forward(layer, hidden, T, routed));
+}
+
+TEST_F(ToolSynth, ReferenceRejectsBadInputs) {
+  ASSERT_NO_FATAL_FAILURE(synth());
+  std::mt19937_64 rng(seed_);
+  const std::vector<uint16_t> hidden = random_hidden(rng, 2);
+  const std::vector<int32_t> ids = {0, 3, 1, 2};
+  const std::vector<float> weights = {0.5f, 0.5f, 0.25f, 0.75f};
+  const fs::path x = dir_ / "x.safetensors", y = dir_ / "y.safetensors";
+  auto expect_failure = [&](const std::vector<Owned>& input, std::vector<std::string> parts,
+                            const std::string& extra = "") {
+    write_file(x, input);
+    const ToolResult r = run_tool("reference --checkpoint " + q(ckpt_) + " --layer 0 --input " +
+                                  q(x) + " --output " + q(y) + extra);
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_EQ(r.output.rfind("megamoe reference: error: ", 0), 0u) << r.output;
+    for (const std::string& p : parts)
+      EXPECT_NE(r.output.find(p), std::string::npos) << p << " in " << r.output;
+    EXPECT_FALSE(fs::exists(y));
+  };
+  const Owned good_hidden{{"hidden", DType::BF16, {2, 2048}}, to_bytes(hidden)};
+  const Owned good_ids{{"topk_ids", DType::I32, {2, 2}}, to_bytes(ids)};
+  const Owned good_weights{{"topk_weights", DType::F32, {2, 2}}, to_bytes(weights)};
+
+  // H mismatch.
+  expect_failure({{{"hidden", DType::BF16, {4, 1024}}, to_bytes(hidden)}},
+                 {"'hidden'", "[4, 1024]", "hidden_size 2048"});
+  expect_failure({{{"hidden", DType::F32, {1, 2048}}, to_bytes(hidden)}}, {"'hidden'", "BF16"});
+  expect_failure({{{"x", DType::BF16, {2, 2048}}, to_bytes(hidden)}}, {"no tensor 'hidden'"});
+  // Routing given by halves.
+  expect_failure({good_hidden, good_ids}, {"'topk_ids' without 'topk_weights'"});
+  expect_failure({good_hidden, good_weights}, {"'topk_weights' without 'topk_ids'"});
+  // Ids out of range, on both sides.
+  for (const int32_t bad : {4, -1}) {
+    std::vector<int32_t> b = ids;
+    b[3] = bad;
+    expect_failure({good_hidden, {{"topk_ids", DType::I32, {2, 2}}, to_bytes(b)}, good_weights},
+                   {"'topk_ids'", "expert id " + std::to_string(bad), "[1, 1]", "[0, 4)"});
+  }
+  const std::vector<int64_t> huge = {0, 1, int64_t(1) << 40, 2};
+  expect_failure({good_hidden, {{"topk_ids", DType::I64, {2, 2}}, to_bytes(huge)}, good_weights},
+                 {"'topk_ids'", "1099511627776"});
+  // Shapes and dtypes of the routing.
+  expect_failure({good_hidden, {{"topk_ids", DType::I32, {1, 4}}, to_bytes(ids)}, good_weights},
+                 {"'topk_ids'", "[1, 4]", "[2, k]"});
+  expect_failure({good_hidden, good_ids, {{"topk_weights", DType::F32, {4}}, to_bytes(weights)}},
+                 {"'topk_weights'", "[4]", "[2, 2]"});
+  expect_failure({good_hidden, {{"topk_ids", DType::F32, {2, 2}}, to_bytes(weights)}, good_weights},
+                 {"'topk_ids'", "I32 or I64"});
+  std::vector<float> nan_weights = weights;
+  nan_weights[2] = std::nanf("");
+  expect_failure(
+      {good_hidden, good_ids, {{"topk_weights", DType::F32, {2, 2}}, to_bytes(nan_weights)}},
+      {"'topk_weights'", "finite"});
+  // A layer that is not a MoE layer, and a bad thread count.
+  write_file(x, {good_hidden});
+  ToolResult r = run_tool("reference --checkpoint " + q(ckpt_) + " --layer 1 --input " + q(x) +
+                          " --output " + q(y));
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("layer 1"), std::string::npos) << r.output;
+  expect_failure({good_hidden}, {"--threads", "-1"}, " --threads -1");
+  // Input and output the same file.
+  r = run_tool("reference --checkpoint " + q(ckpt_) + " --layer 0 --input " + q(x) + " --output " +
+               q(x));
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("different file"), std::string::npos) << r.output;
+  // Missing checkpoint and missing input.
+  r = run_tool("reference --checkpoint " + q(dir_ / "nope") + " --layer 0 --input " + q(x) +
+               " --output " + q(y));
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find((dir_ / "nope").string()), std::string::npos) << r.output;
+  r = run_tool("reference --checkpoint " + q(ckpt_) + " --layer 0 --input " + q(dir_ / "nox") +
+               " --output " + q(y));
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("does not exist"), std::string::npos) << r.output;
+}
+
+// ---- the tool: quantize and dequantize ---------------------------------------------------------
+
+class ToolQuantize : public TempDir {
+ protected:
+  struct Expected {
+    std::vector<uint8_t> codes, scales;
+    float s2;
+  };
+  // A small checkpoint: quantizable tensors of each float dtype (one large enough to be
+  // streamed in two row chunks) and tensors that must be copied unchanged for each reason.
+  void make_input(uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    auto add = [&](const std::string& name, DType dt, int64_t rows, int64_t cols) {
+      RandomTensor t = random_tensor(rng, dt, rows, cols);
+      values_[name] = t.values;
+      input_.push_back({{name, dt, {rows, cols}}, std::move(t.bytes)});
+    };
+    add("a.weight", DType::BF16, 8, 64);
+    add("b.weight", DType::F32, 5, 32);
+    add("c.weight", DType::F16, 3, 48);
+    add("big.weight", DType::BF16, 4100, 2048);  // 8.4 M elements: two row chunks
+    add("d.weight", DType::BF16, 4, 24);         // K not a multiple of 16
+    add("e.bias", DType::BF16, 2, 64);           // not *.weight
+    add("xweight", DType::BF16, 2, 64);          // not *.weight either
+    std::vector<uint8_t> three_d(2 * 2 * 16 * 2, 0x3c);
+    input_.push_back({{"f.weight", DType::BF16, {2, 2, 16}}, three_d});
+    std::vector<int32_t> ints(32);
+    std::iota(ints.begin(), ints.end(), -7);
+    input_.push_back({{"g.weight", DType::I32, {2, 16}}, to_bytes(ints)});
+    input_.push_back({{"h.weight", DType::BF16, {16}}, std::vector<uint8_t>(32, 0x41)});
+    input_.push_back({{"u8.weight", DType::U8, {2, 16}}, std::vector<uint8_t>(32, 7)});
+    write_file(in_, input_, metadata_);
+  }
+  Expected expected(const std::string& name) {
+    const std::vector<float>& w = values_.at(name);
+    const Owned& t = *std::find_if(input_.begin(), input_.end(),
+                                   [&](const Owned& o) { return o.spec.name == name; });
+    const int64_t rows = t.spec.shape[0], cols = t.spec.shape[1];
+    Expected e;
+    e.codes.resize(size_t(rows * cols / 2));
+    e.scales.resize(size_t(rows * cols / 16));
+    e.s2 = megamoe::format::quantize_weight_modelopt(w, rows, cols, e.codes, e.scales);
+    return e;
+  }
+  // Checks `out` against the input: `quantized` tensors by the recipe, all others copied.
+  void check_output(const fs::path& out, const std::set<std::string>& quantized) {
+    const auto f = SafetensorsFile::open(out.string());
+    EXPECT_EQ(f->metadata(), metadata_);
+    std::set<std::string> names, expected_names;
+    for (const auto& t : f->tensors()) names.insert(t.name);
+    for (const Owned& t : input_) {
+      SCOPED_TRACE(t.spec.name);
+      expected_names.insert(t.spec.name);
+      const megamoe::TensorInfo* o = f->find(t.spec.name);
+      ASSERT_NE(o, nullptr);
+      if (!quantized.count(t.spec.name)) {
+        EXPECT_EQ(o->dtype, t.spec.dtype);
+        EXPECT_EQ(o->shape, t.spec.shape);
+        EXPECT_EQ(raw_bytes(*f, t.spec.name), t.bytes);
+        continue;
+      }
+      const std::string base = t.spec.name.substr(0, t.spec.name.size() - 7);
+      expected_names.insert(base + ".weight_scale");
+      expected_names.insert(base + ".weight_scale_2");
+      const Expected e = expected(t.spec.name);
+      const int64_t rows = t.spec.shape[0], cols = t.spec.shape[1];
+      EXPECT_EQ(o->dtype, DType::U8);
+      EXPECT_EQ(o->shape, (std::vector<int64_t>{rows, cols / 2}));
+      EXPECT_TRUE(raw_bytes(*f, t.spec.name) == e.codes);
+      const megamoe::TensorInfo* s = f->find(base + ".weight_scale");
+      ASSERT_NE(s, nullptr);
+      EXPECT_EQ(s->dtype, DType::F8_E4M3);
+      EXPECT_EQ(s->shape, (std::vector<int64_t>{rows, cols / 16}));
+      EXPECT_TRUE(raw_bytes(*f, base + ".weight_scale") == e.scales);
+      const megamoe::TensorInfo* g = f->find(base + ".weight_scale_2");
+      ASSERT_NE(g, nullptr);
+      EXPECT_EQ(g->dtype, DType::F32);
+      EXPECT_TRUE(g->shape.empty());
+      EXPECT_EQ(read_tensor<float>(*f, base + ".weight_scale_2"), std::vector<float>{e.s2});
+    }
+    EXPECT_EQ(names, expected_names);
+  }
+
+  void SetUp() override {
+    TempDir::SetUp();
+    in_ = dir_ / "in.safetensors";
+    out_ = dir_ / "out.safetensors";
+  }
+  fs::path in_, out_;
+  std::vector<Owned> input_;
+  std::map<std::string, std::vector<float>> values_;
+  const std::map<std::string, std::string> metadata_ = {{"format", "pt"}, {"note", "kept as is"}};
+};
+
+TEST_F(ToolQuantize, MatchesRecipeBitForBitAndCopiesTheRest) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  make_input(seed);
+  ToolResult r = run_tool("quantize " + q(in_) + " " + q(out_));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("4 tensors quantized"), std::string::npos) << r.output;
+  check_output(out_, {"a.weight", "b.weight", "c.weight", "big.weight"});
+
+  r = run_tool("quantize " + q(in_) + " " + q(out_) + " --include '^a\\.'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  check_output(out_, {"a.weight"});
+  r = run_tool("quantize " + q(in_) + " " + q(out_) + " --exclude '^(a|big)\\.'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  check_output(out_, {"b.weight", "c.weight"});
+  r = run_tool("quantize " + q(in_) + " " + q(out_) + " --include 'b|c' --exclude '^b'");
+  ASSERT_EQ(r.code, 0) << r.output;
+  check_output(out_, {"c.weight"});
+}
+
+TEST_F(ToolQuantize, DequantizeRoundTripEqualsFormatDequantize) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  make_input(seed);
+  const fs::path back = dir_ / "back.safetensors";
+  ToolResult r = run_tool("quantize " + q(in_) + " " + q(out_) + " --exclude big");
+  ASSERT_EQ(r.code, 0) << r.output;
+  r = run_tool("dequantize " + q(out_) + " " + q(back));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto f = SafetensorsFile::open(back.string());
+  EXPECT_EQ(f->metadata(), metadata_);
+  EXPECT_EQ(f->tensors().size(), input_.size());  // scales folded back in, nothing else
+  for (const Owned& t : input_) {
+    SCOPED_TRACE(t.spec.name);
+    const megamoe::TensorInfo* o = f->find(t.spec.name);
+    ASSERT_NE(o, nullptr);
+    if (t.spec.name != "a.weight" && t.spec.name != "b.weight" && t.spec.name != "c.weight") {
+      EXPECT_EQ(o->dtype, t.spec.dtype);
+      EXPECT_EQ(raw_bytes(*f, t.spec.name), t.bytes);
+      continue;
+    }
+    const Expected e = expected(t.spec.name);
+    const int64_t rows = t.spec.shape[0], cols = t.spec.shape[1];
+    std::vector<float> w(size_t(rows * cols));
+    megamoe::format::dequantize({rows, cols, e.codes.data(), e.scales.data(), e.s2}, w);
+    std::vector<uint16_t> want(w.size());
+    std::transform(w.begin(), w.end(), want.begin(), megamoe::f32_to_bf16);
+    EXPECT_EQ(o->dtype, DType::BF16);
+    EXPECT_EQ(o->shape, t.spec.shape);
+    EXPECT_EQ(read_tensor<uint16_t>(*f, t.spec.name), want);
+  }
+}
+
+// Random NVFP4 linears in both layouts, with every byte value for codes and every valid scale
+// code (subnormals included).
+TEST_F(ToolQuantize, DequantizeBothLayoutsDropsInputScales) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const int64_t rows = 24, cols = 128;
+  auto random_codes = [&] {
+    std::vector<uint8_t> v(size_t(rows * cols / 2));
+    for (uint8_t& b : v) b = uint8_t(rng());
+    return v;
+  };
+  auto random_scales = [&] {
+    std::vector<uint8_t> v(size_t(rows * cols / 16));
+    for (size_t i = 0; i < v.size(); ++i) v[i] = uint8_t(i < 0x7F ? i : rng() % 0x7F);
+    std::shuffle(v.begin(), v.end(), rng);
+    return v;
+  };
+  const std::vector<uint8_t> m_codes = random_codes(), m_scales = random_scales();
+  const std::vector<uint8_t> c_codes = random_codes(), c_scales = random_scales();
+  const float m_s2 = 0.000734f;
+  const float c_global = 4096.0f;  // compressed-tensors' reciprocal, a power of two: 1/x exact
+  const std::vector<uint16_t> other = {0x3f80, 0xbf80, 0x4000};
+  write_file(in_,
+             {{{"m.weight", DType::U8, {rows, cols / 2}}, m_codes},
+              {{"m.weight_scale", DType::F8_E4M3, {rows, cols / 16}}, m_scales},
+              {{"m.weight_scale_2", DType::F32, {1}}, to_bytes(std::vector<float>{m_s2})},
+              {{"m.input_scale", DType::F32, {}}, to_bytes(std::vector<float>{0.01f})},
+              {{"c.weight_packed", DType::U8, {rows, cols / 2}}, c_codes},
+              {{"c.weight_scale", DType::F8_E4M3, {rows, cols / 16}}, c_scales},
+              {{"c.weight_global_scale", DType::F32, {}}, to_bytes(std::vector<float>{c_global})},
+              {{"c.input_global_scale", DType::F32, {}}, to_bytes(std::vector<float>{100.0f})},
+              {{"norm.weight", DType::BF16, {3}}, to_bytes(other)}});
+  ToolResult r = run_tool("inspect --json " + q(in_));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const json j = json::parse(r.output);
+  EXPECT_EQ(j["format"], "compressed-tensors-nvfp4");
+  ASSERT_EQ(j["nvfp4"].size(), 2u);
+  EXPECT_EQ(j["nvfp4"][0]["name"], "c");
+  EXPECT_EQ(j["nvfp4"][0]["global_scale"].get<float>(), 1.0f / c_global);
+  EXPECT_EQ(
+      j["nvfp4"][0]["block_scales"]["subnormal"],
+      std::count_if(c_scales.begin(), c_scales.end(), [](uint8_t b) { return b >= 1 && b <= 7; }));
+  EXPECT_EQ(j["nvfp4"][0]["block_scales"]["zero"], std::count(c_scales.begin(), c_scales.end(), 0));
+  EXPECT_EQ(j["nvfp4"][1]["global_scale"].get<float>(), m_s2);
+
+  r = run_tool("dequantize " + q(in_) + " " + q(out_));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto f = SafetensorsFile::open(out_.string());
+  std::set<std::string> names;
+  for (const auto& t : f->tensors()) names.insert(t.name);
+  EXPECT_EQ(names, (std::set<std::string>{"m.weight", "c.weight", "norm.weight"}));
+  EXPECT_EQ(read_tensor<uint16_t>(*f, "norm.weight"), other);
+  r = run_tool("inspect --json " + q(out_));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(json::parse(r.output)["format"], "unquantized");
+  for (const auto& [name, codes, scales, s2] :
+       {std::tuple{"m.weight", &m_codes, &m_scales, m_s2},
+        std::tuple{"c.weight", &c_codes, &c_scales, 1.0f / c_global}}) {
+    SCOPED_TRACE(name);
+    std::vector<float> w(size_t(rows * cols));
+    megamoe::format::dequantize({rows, cols, codes->data(), scales->data(), s2}, w);
+    std::vector<uint16_t> want(w.size());
+    std::transform(w.begin(), w.end(), want.begin(), megamoe::f32_to_bf16);
+    EXPECT_EQ(f->find(name)->dtype, DType::BF16);
+    EXPECT_EQ(f->find(name)->shape, (std::vector<int64_t>{rows, cols}));
+    EXPECT_EQ(read_tensor<uint16_t>(*f, name), want);
+  }
+}
+
+TEST_F(ToolQuantize, RejectsBadInputs) {
+  auto expect_failure = [&](const std::string& cmd, const std::string& args,
+                            std::vector<std::string> parts) {
+    const ToolResult r = run_tool(cmd + " " + args);
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_EQ(r.output.rfind("megamoe " + cmd + ": error: ", 0), 0u) << r.output;
+    for (const std::string& p : parts)
+      EXPECT_NE(r.output.find(p), std::string::npos) << p << " in " << r.output;
+  };
+  const std::vector<float> w(32, 0.5f);
+  // An output name that already exists in the input.
+  write_file(in_, {{{"a.weight", DType::F32, {2, 16}}, to_bytes(w)},
+                   {{"a.weight_scale", DType::F32, {1}}, to_bytes(std::vector<float>{1.0f})}});
+  expect_failure("quantize", q(in_) + " " + q(out_), {"'a.weight_scale'", "already holds"});
+  EXPECT_FALSE(fs::exists(out_));
+  EXPECT_EQ(run_tool("quantize " + q(in_) + " " + q(out_) + " --exclude '^a'").code, 0);
+  // Bad regex, same file twice, missing file, non-finite weights.
+  expect_failure("quantize", q(in_) + " " + q(out_) + " --include '('", {"--include", "'('"});
+  expect_failure("quantize", q(in_) + " " + q(in_), {"different file"});
+  expect_failure("quantize", q(dir_ / "missing.safetensors") + " " + q(out_),
+                 {(dir_ / "missing.safetensors").string(), "does not exist"});
+  std::vector<float> inf = w;
+  inf[17] = INFINITY;
+  write_file(in_, {{{"n.weight", DType::F32, {2, 16}}, to_bytes(inf)}});
+  expect_failure("quantize", q(in_) + " " + q(out_), {"'n.weight'", "[1, 1]", "non-finite"});
+
+  // dequantize: NaN block scale, missing global scale, name collision, missing file.
+  const std::vector<uint8_t> codes(16, 0x21), scales = {0x38, 0x7F};
+  write_file(in_, {{{"m.weight", DType::U8, {1, 16}}, codes},
+                   {{"m.weight_scale", DType::F8_E4M3, {1, 2}}, scales},
+                   {{"m.weight_scale_2", DType::F32, {}}, to_bytes(std::vector<float>{1.0f})}});
+  expect_failure("dequantize", q(in_) + " " + q(out_), {"'m.weight_scale'", "NaN"});
+  write_file(in_, {{{"m.weight", DType::U8, {1, 16}}, codes},
+                   {{"m.weight_scale", DType::F8_E4M3, {1, 2}}, std::vector<uint8_t>{1, 2}}});
+  expect_failure("dequantize", q(in_) + " " + q(out_), {"m.weight_scale_2"});
+  write_file(in_,
+             {{{"m.weight_packed", DType::U8, {1, 16}}, codes},
+              {{"m.weight", DType::BF16, {1, 1}}, std::vector<uint8_t>(2, 0)},
+              {{"m.weight_scale", DType::F8_E4M3, {1, 2}}, std::vector<uint8_t>{1, 2}},
+              {{"m.weight_global_scale", DType::F32, {}}, to_bytes(std::vector<float>{1.0f})}});
+  expect_failure("dequantize", q(in_) + " " + q(out_), {"'m.weight_packed'", "'m.weight'"});
+  expect_failure("dequantize", q(dir_ / "missing") + " " + q(out_), {"does not exist"});
+
+  // inspect and synth.
+  expect_failure("inspect", q(dir_ / "missing"), {(dir_ / "missing").string(), "does not exist"});
+  expect_failure("synth", "--preset llama " + q(dir_ / "s"),
+                 {"'llama'", "deepseek-v3", "deepseek-v4-flash", "kimi-k2", "qwen3-235b-a22b",
+                  "qwen3-30b-a3b"});
+  expect_failure("synth", "--preset qwen3-30b-a3b --num-experts -3 " + q(dir_ / "s"), {"-3"});
+}
+
+TEST(ToolCommandLine, HelpAndParseErrors) {
+  ToolResult r = run_tool("--help");
+  EXPECT_EQ(r.code, 0) << r.output;
+  for (const char* sub : {"quantize", "dequantize", "inspect", "synth", "reference"}) {
+    EXPECT_NE(r.output.find(sub), std::string::npos) << sub << " in " << r.output;
+  }
+  EXPECT_EQ(run_tool("reference --help").code, 0);
+  EXPECT_EQ(run_tool("").code, 2);                               // no subcommand
+  EXPECT_EQ(run_tool("frobnicate").code, 2);                     // unknown subcommand
+  EXPECT_EQ(run_tool("quantize only-one.safetensors").code, 2);  // missing positional
+  EXPECT_EQ(run_tool("inspect x --bogus").code, 2);              // unknown option
+  EXPECT_EQ(run_tool("synth out").code, 2);                      // --preset is required
+  r = run_tool("synth --preset qwen3-30b-a3b --seed abc out");
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("seed"), std::string::npos) << r.output;
+}
+
+}  // namespace

@@ -1,0 +1,40 @@
+// `megamoe bench [--preset NAME] [--tokens 1,4,...] [--json FILE] ...`: the W4A16 MoE layer on
+// this GPU against its floor and the bf16 cuBLAS baseline (bench/moe_bench.h).
+#include <memory>
+
+#include "bench/moe_bench.h"
+#include "commands.h"
+#include "megamoe/status.h"
+
+namespace megamoe::tool {
+
+Command add_bench_command(CLI::App& parent) {
+  auto opt = std::make_shared<bench::BenchOptions>();
+  CLI::App* app = parent.add_subcommand(
+      "bench",
+      "Benchmark the GPU MoE layer (default: a synthesized DeepSeek-V3 layer): accuracy against "
+      "the CPU reference, then per token count the median time of CUDA-graph replays with the "
+      "L2 flushed, % of the floor, TFLOP/s, weight GB/s and the speedup over bf16 cuBLAS.");
+  app->add_option("--preset", opt->preset, "model preset to synthesize")->capture_default_str();
+  app->add_option("--checkpoint", opt->checkpoint, "benchmark this checkpoint directory instead");
+  app->add_option("--layer", opt->layer, "with --checkpoint: the MoE layer (default: the first)");
+  app->add_option("--tokens", opt->tokens, "token counts T, comma separated")
+      ->delimiter(',')
+      ->capture_default_str();
+  app->add_option("--num-experts", opt->num_experts, "synthesize fewer experts (0: the preset's)");
+  app->add_option("--replays", opt->replays, "timed graph replays per point (>= 20)")->capture_default_str();
+  app->add_option("--check-tokens", opt->check_tokens, "tokens checked against the CPU reference")
+      ->capture_default_str();
+  app->add_flag("!--no-baseline", opt->baseline, "skip the bf16 cuBLAS baseline");
+  app->add_flag("--deterministic", opt->deterministic, "fixed-order combine");
+  app->add_option("--seed", opt->seed, "seed of the synthesized weights and inputs");
+  app->add_option("--json", opt->json, "write the results as JSON (plot with bench/plot_bench.py)");
+  app->add_option("--work-dir", opt->work_dir, "where to write the synthesized checkpoint");
+  return {app, [opt] {
+            if (bench::run_bench(*opt) != 0) {
+              MEGAMOE_FAIL(kInternal, "the accuracy check failed (see above)");
+            }
+          }};
+}
+
+}  // namespace megamoe::tool
