@@ -32,6 +32,7 @@ struct GemmConfig {
   int warpgroups = 1;  // consumer warpgroups per CTA: BLOCK_M = 64 * warpgroups
   int block_n = 16;    // tokens per tile (wgmma N)
   int stages = 4;      // cp.async pipeline depth
+  int k_splits = 1;    // K slices per output tile, added atomically (L2 atomic combine only)
   std::string to_string() const;
 };
 struct MoeConfig {
@@ -43,11 +44,43 @@ struct MoeConfig {
 // The heuristic: a pure function of the problem and the token count (printable).
 MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens);
 
+// The stacked NVFP4 expert layout inference engines keep on the GPU (DESIGN.md §2): DEVICE
+// pointers to row-major, contiguous tensors. Codes are packed e2m1 (element 2j in the low nibble),
+// block scales ue4m3 bytes (one per 16 elements along K), global scales fp32 (multiply).
+struct StackedNvfp4Weights {
+  int64_t hidden_size = 0;        // H
+  int64_t intermediate_size = 0;  // I of a routed expert
+  int64_t num_experts = 0;        // E
+  const uint8_t* w13 = nullptr;        // [E, 2I, H/2]: rows 0..I-1 gate, I..2I-1 up
+  const uint8_t* w13_scale = nullptr;  // [E, 2I, H/16]
+  const float* w13_scale_2 = nullptr;  // [E, 2]: (gate, up) of each expert
+  const uint8_t* w2 = nullptr;         // [E, H, I/2]
+  const uint8_t* w2_scale = nullptr;   // [E, H, I/16]
+  const float* w2_scale_2 = nullptr;   // [E]
+  // The optional shared expert (every token, weight 1): the same layout without the E axis, with
+  // its own intermediate size Is (0: none; the other shared pointers are then ignored).
+  int64_t shared_intermediate_size = 0;
+  const uint8_t* shared_w13 = nullptr;        // [2Is, H/2]
+  const uint8_t* shared_w13_scale = nullptr;  // [2Is, H/16]
+  const float* shared_w13_scale_2 = nullptr;  // [2]: (gate, up)
+  const uint8_t* shared_w2 = nullptr;         // [H, Is/2]
+  const uint8_t* shared_w2_scale = nullptr;   // [H, Is/16]
+  const float* shared_w2_scale_2 = nullptr;   // [1]
+};
+
 // Prepacked weights on the device (owned). Built once from a layer; the NVFP4 bits are the
 // checkpoint's, reshuffled for the kernels, never decoded into memory.
 class MoeDeviceWeights {
  public:
   static MoeDeviceWeights upload(const MoeLayer& layer, cudaStream_t stream = nullptr);
+  // The same prepacked weights from the stacked device layout. A one-time load step, not for a
+  // forward pass: it copies the tensors to the host (after the work already queued on `stream`),
+  // checks every block scale (finite, non-negative ue4m3) and global scale (finite, > 0),
+  // prepacks and uploads them as upload() does, and synchronises the device before returning.
+  // Needs host memory for one copy of the layer's NVFP4 bytes. Throws megamoe::Error
+  // (kInvalidArgument) naming the tensor and the first bad value, or (kCuda).
+  static MoeDeviceWeights from_stacked(const StackedNvfp4Weights& weights,
+                                       cudaStream_t stream = nullptr);
   MoeDeviceWeights(MoeDeviceWeights&&) noexcept;
   MoeDeviceWeights& operator=(MoeDeviceWeights&&) noexcept;
   ~MoeDeviceWeights();
@@ -93,5 +126,25 @@ class MoePlan {
 // touching the device; launches only.
 void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs& args,
          cudaStream_t stream);
+
+// Router logits to top-k ids and weights on the device (DESIGN.md §2): the selection and the
+// weights of reference::route, computed the same way in double precision (so ties go to the lower
+// expert index and rows list experts by selection score descending, exactly as there). Weights
+// may differ from the reference's in the last fp32 bit where the device's exp() differs from the
+// host's by an ulp. Never allocates or synchronises: CUDA-graph capturable.
+struct RouteArgs {
+  const float* logits = nullptr;  // [T, E] fp32, device; expected finite (not checked: with a
+                                  // non-finite logit the ids are still distinct and in [0, E),
+                                  // the weights are unspecified)
+  const float* bias = nullptr;    // [E] fp32, device: noaux_tc e_score_correction_bias, or null
+  int64_t tokens = 0;             // T
+  int64_t num_experts = 0;        // E, 1..kRouteMaxExperts
+  int32_t* topk_ids = nullptr;    // [T, top_k] int32, device (written)
+  float* topk_weights = nullptr;  // [T, top_k] fp32, device (written)
+};
+inline constexpr int64_t kRouteMaxExperts = 4096;
+// Throws megamoe::Error(kInvalidArgument) for the configurations reference::route rejects (top_k,
+// scaling factor, groups), null pointers or E outside 1..kRouteMaxExperts; launches on `stream`.
+void route_topk(const RoutingConfig& cfg, const RouteArgs& args, cudaStream_t stream);
 
 }  // namespace megamoe

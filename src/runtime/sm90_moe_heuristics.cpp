@@ -14,6 +14,7 @@ namespace megamoe {
 std::string GemmConfig::to_string() const {
   std::ostringstream os;
   os << "BLOCK_M=" << 64 * warpgroups << " BLOCK_N=" << block_n << " stages=" << stages;
+  if (k_splits > 1) os << " k_splits=" << k_splits;
   return os.str();
 }
 
@@ -37,6 +38,12 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens) {
   MoeConfig cfg;
   cfg.l1 = pick(2 * problem.intermediate_size / 64);
   cfg.l2 = pick(problem.hidden_size / 64);
+  // Decode: L2 has E_active * H/64 tiles of only I/64 chunks each, which leaves a ragged last
+  // wave over the persistent CTAs; two K slices per tile even it out. The slices add into the
+  // fp32 accumulator, so the fixed-order (deterministic) combine keeps whole tiles.
+  if (per_expert <= 16 && !problem.deterministic && problem.intermediate_size % 128 == 0) {
+    cfg.l2.k_splits = 2;
+  }
   return cfg;
 }
 

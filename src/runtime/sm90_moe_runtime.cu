@@ -265,13 +265,17 @@ int64_t MoePlan::invalid_id_count(const void* workspace, cudaStream_t stream) co
 
 namespace {
 
-template <bool kIsL1, int kWG, int kBN, int kStages>
+template <bool kIsL1, int kWG, int kBN, int kStages, int kMinBlocksPerSm>
 void launch_gemm(const k90::W4a16GemmParams& params, int num_sms, int64_t max_work, cudaStream_t stream) {
   using Smem = k90::W4a16SmemLayout<kWG, kBN, kStages>;
-  auto* kernel = &k90::w4a16_grouped_gemm_kernel<kIsL1, kWG, kBN, kStages>;
+  auto* kernel = &k90::w4a16_grouped_gemm_kernel<kIsL1, kWG, kBN, kStages, kMinBlocksPerSm>;
   static const int blocks_per_sm = [&] {
     check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::kAllocBytes),
                "cudaFuncSetAttribute(max dynamic shared memory)");
+    // All of the unified L1/shared array as shared memory: the kernel streams through
+    // shared-memory stages and has no use for a large L1.
+    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
+               "cudaFuncSetAttribute(shared memory carveout)");
     int n = 0;
     check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWG * 128, Smem::kAllocBytes),
                "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
@@ -286,12 +290,15 @@ void launch_gemm(const k90::W4a16GemmParams& params, int num_sms, int64_t max_wo
 template <bool kIsL1>
 void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params, int num_sms,
                         int64_t max_work, cudaStream_t stream) {
+  MEGAMOE_CHECK(c.k_splits >= 1 && (c.k_splits == 1 || (!kIsL1 && params.y_slot == nullptr)), kInternal,
+                "GEMM config ", c.to_string(), ": only the atomic L2 may split K");
   if (c.warpgroups == 1 && c.block_n == 16 && c.stages == 8) {
-    launch_gemm<kIsL1, 1, 16, 8>(params, num_sms, max_work, stream);
+    launch_gemm<kIsL1, 1, 16, 8, 1>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 1 && c.block_n == 64 && c.stages == 6) {
-    launch_gemm<kIsL1, 1, 64, 6>(params, num_sms, max_work, stream);
+    launch_gemm<kIsL1, 1, 64, 6, 1>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 2 && c.block_n == 128 && c.stages == 4) {
-    launch_gemm<kIsL1, 2, 128, 4>(params, num_sms, max_work, stream);
+    // Two CTAs (four warpgroups) per SM: one warpgroup's wgmmas run while another decodes.
+    launch_gemm<kIsL1, 2, 128, 4, 2>(params, num_sms, max_work, stream);
   } else {
     MEGAMOE_FAIL(kInternal, "no kernel instantiated for GEMM config ", c.to_string());
   }
@@ -345,6 +352,7 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   d.l2_block_m_tiles = cfg.l2.warpgroups;
   d.l1_block_n = cfg.l1.block_n;
   d.l2_block_n = cfg.l2.block_n;
+  d.l2_k_splits = cfg.l2.k_splits;
   d.expert_offsets = at<int32_t>(ws, L.expert_offsets);
   d.l1_tile_offsets = at<int32_t>(ws, L.l1_tiles);
   d.l2_tile_offsets = at<int32_t>(ws, L.l2_tiles);
@@ -358,7 +366,7 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   const float limit = p.swiglu_limit ? *p.swiglu_limit : std::numeric_limits<float>::infinity();
   // Upper bound of work items: every expert's last n-tile may be partial.
   auto max_work = [&](const GemmConfig& c, int64_t m_tiles) {
-    return (m_tiles / c.warpgroups) * ((T * spt + c.block_n - 1) / c.block_n + EV);
+    return (m_tiles / c.warpgroups) * c.k_splits * ((T * spt + c.block_n - 1) / c.block_n + EV);
   };
 
   k90::W4a16GemmParams g1{};
@@ -368,6 +376,8 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   g1.scale_expert_stride = w.w13_scale_stride;
   g1.m_tiles = d.l1_m_tiles;
   g1.k_chunks = static_cast<int32_t>(H / 64);
+  g1.k_splits = 1;
+  g1.k_chunks_per_split = g1.k_chunks;
   g1.s2_a = w.s2;
   g1.s2_b = w.s2 + EV;
   g1.b_src = reinterpret_cast<const __nv_bfloat16*>(args.hidden);
@@ -389,6 +399,8 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   g2.scale_expert_stride = w.w2_scale_stride;
   g2.m_tiles = d.l2_m_tiles;
   g2.k_chunks = static_cast<int32_t>(I / 64);
+  g2.k_splits = cfg.l2.k_splits;
+  g2.k_chunks_per_split = (g2.k_chunks + g2.k_splits - 1) / g2.k_splits;
   g2.s2_a = w.s2 + 2 * EV;
   g2.s2_b = nullptr;
   g2.b_src = at<__nv_bfloat16>(ws, L.act);

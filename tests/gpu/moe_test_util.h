@@ -85,6 +85,12 @@ inline reference::TopK random_topk(std::mt19937& rng, int64_t T, int64_t E, int 
   return r;
 }
 
+inline std::vector<float> widen(const std::vector<uint16_t>& bf16) {
+  std::vector<float> f(bf16.size());
+  for (size_t i = 0; i < f.size(); ++i) f[i] = bf16_to_f32(bf16[i]);
+  return f;
+}
+
 struct ErrorStats {
   double rel_l2 = 0;
   int64_t nans = 0;

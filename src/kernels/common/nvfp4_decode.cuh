@@ -26,18 +26,31 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
   return d;
 }
 
+// The four table words, held in registers across a mainloop. `prmt` overwrites its pool
+// register in SASS, so with literal tables ptxas re-materialises the pool (one move) before every
+// lookup. Loading them from global memory once makes them ordinary values it keeps.
+struct E2m1Tables {
+  uint32_t lo0, lo1, hi0, hi1;
+};
+__device__ const uint32_t kE2m1TablesInMemory[4] = {kE2m1LoBytes0, kE2m1LoBytes1, kE2m1HiBytes0,
+                                                    kE2m1HiBytes1};
+__device__ __forceinline__ E2m1Tables load_e2m1_tables() {
+  return {__ldg(&kE2m1TablesInMemory[0]), __ldg(&kE2m1TablesInMemory[1]),
+          __ldg(&kE2m1TablesInMemory[2]), __ldg(&kE2m1TablesInMemory[3])};
+}
+
 // Decodes the 8 e2m1 codes of one 32-bit word (nibble i = code i) into four bf16x2 registers:
 //   out[j] = { lo half: code j, hi half: code j + 4 }, j = 0..3.
 // Pairing nibble j with nibble j+4 puts both sign bits (bits 4j+3 and 4j+19) exactly 16 bits
 // apart, so one shift moves them onto the bf16 sign bits 15 and 31 together.
 // Cost: 2 logic ops for the indices, 4 table prmts, 8 interleave prmts, 4 shift+or for signs.
-__device__ __forceinline__ void decode_e2m1x8(uint32_t q, uint32_t (&out)[4]) {
+__device__ __forceinline__ void decode_e2m1x8(uint32_t q, const E2m1Tables& tab, uint32_t (&out)[4]) {
   const uint32_t idx_lo = q & 0x77777777u;  // magnitudes; prmt reads the low 4 nibbles
   const uint32_t idx_hi = idx_lo >> 16;
-  const uint32_t lo_a = prmt(kE2m1LoBytes0, kE2m1LoBytes1, idx_lo);  // lo bytes of codes 0..3
-  const uint32_t hi_a = prmt(kE2m1HiBytes0, kE2m1HiBytes1, idx_lo);  // hi bytes of codes 0..3
-  const uint32_t lo_b = prmt(kE2m1LoBytes0, kE2m1LoBytes1, idx_hi);  // codes 4..7
-  const uint32_t hi_b = prmt(kE2m1HiBytes0, kE2m1HiBytes1, idx_hi);
+  const uint32_t lo_a = prmt(tab.lo0, tab.lo1, idx_lo);  // lo bytes of codes 0..3
+  const uint32_t hi_a = prmt(tab.hi0, tab.hi1, idx_lo);  // hi bytes of codes 0..3
+  const uint32_t lo_b = prmt(tab.lo0, tab.lo1, idx_hi);  // codes 4..7
+  const uint32_t hi_b = prmt(tab.hi0, tab.hi1, idx_hi);
   const uint32_t c01 = prmt(lo_a, hi_a, 0x5140);  // bf16x2 {code0, code1}
   const uint32_t c23 = prmt(lo_a, hi_a, 0x7362);  // {code2, code3}
   const uint32_t c45 = prmt(lo_b, hi_b, 0x5140);  // {code4, code5}

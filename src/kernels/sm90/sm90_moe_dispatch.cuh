@@ -24,6 +24,7 @@ struct DispatchParams {
   int32_t l2_block_m_tiles;
   int32_t l1_block_n;            // tokens per L1 tile
   int32_t l2_block_n;
+  int32_t l2_k_splits;           // K slices per L2 tile (L1 never splits K: SwiGLU needs full sums)
   // outputs (workspace)
   int32_t* expert_offsets;       // (E' + 1) slot offsets
   int32_t* l1_tile_offsets;      // (E' + 1) prefix of L1 work items
@@ -92,7 +93,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(Dispa
   }, p.l1_tile_offsets);
   scan3([&](int e) {
     const int n_tiles = (counts[e] + p.l2_block_n - 1) / p.l2_block_n;
-    return n_tiles * (p.l2_m_tiles / p.l2_block_m_tiles);
+    return n_tiles * (p.l2_m_tiles / p.l2_block_m_tiles) * p.l2_k_splits;
   }, p.l2_tile_offsets);
 
   for (int e = tid; e < num_virtual; e += kDispatchThreads) cursor[e] = p.expert_offsets[e];

@@ -22,9 +22,10 @@ __global__ void __launch_bounds__(256) nvfp4_dequant_kernel(
   const uint2 q = reinterpret_cast<const uint2*>(codes)[b];
   const uint8_t s = scales[b];
   const float scale = ue4m3x2_to_float2(s).x;
+  const E2m1Tables tab = load_e2m1_tables();
   uint32_t v[2][4];
-  decode_e2m1x8(q.x, v[0]);  // v[w][j] = {element 8w + j, element 8w + j + 4}
-  decode_e2m1x8(q.y, v[1]);
+  decode_e2m1x8(q.x, tab, v[0]);  // v[w][j] = {element 8w + j, element 8w + j + 4}
+  decode_e2m1x8(q.y, tab, v[1]);
   __align__(16) __nv_bfloat16 res[16];
 #pragma unroll
   for (int w = 0; w < 2; ++w) {

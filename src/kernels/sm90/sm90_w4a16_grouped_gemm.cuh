@@ -27,6 +27,8 @@ struct W4a16GemmParams {
   int64_t scale_expert_stride;
   int32_t m_tiles;    // 64-row tiles per expert
   int32_t k_chunks;   // 64-wide K chunks (K / 64)
+  int32_t k_splits;   // K slices per tile, each added into the output (L2 atomic mode only)
+  int32_t k_chunks_per_split;
   const float* s2_a;  // per expert: L1 gate global scale; L2 down global scale
   const float* s2_b;  // per expert: L1 up global scale (unused in L2)
   // B operand source rows: L1 gathers hidden[slot_token[slot]], L2 reads act[slot].
@@ -111,15 +113,14 @@ struct W4a16SmemLayout {
   static constexpr int kBOffset = 0;
   static constexpr int kCodeOffset = kBOffset + kStages * kBTileBytes;
   static constexpr int kScaleOffset = kCodeOffset + kStages * kCodeStageBytes;
-  static constexpr int kRowPtrOffset = kScaleOffset + kStages * kScaleStageBytes;
-  static constexpr int kBytes = kRowPtrOffset + kBlockN * 8;
+  static constexpr int kBytes = kScaleOffset + kStages * kScaleStageBytes;
   static constexpr int kAllocBytes = kBytes + 1024;  // room to align the base to 1024 B
   static_assert(kBTileBytes % 1024 == 0,
                 "BLOCK_N must be a multiple of 8 so each B stage is whole 1024-byte swizzle atoms");
 };
 
-template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages>
-__global__ void __launch_bounds__(kWarpgroups * w4a16::kThreadsPerWarpgroup, 1)
+template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, int kMinBlocksPerSm>
+__global__ void __launch_bounds__(kWarpgroups * w4a16::kThreadsPerWarpgroup, kMinBlocksPerSm)
 w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
   using namespace w4a16;
   using Smem = W4a16SmemLayout<kWarpgroups, kBlockN, kStages>;
@@ -131,7 +132,6 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
 
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
-  const __nv_bfloat16** row_ptr = reinterpret_cast<const __nv_bfloat16**>(smem + Smem::kRowPtrOffset);
 
   const int tid = threadIdx.x;
   const int wg = tid / kThreadsPerWarpgroup;   // which 64-row tile of the block
@@ -139,6 +139,7 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
   const int warp = wtid / 32, lane = wtid % 32;
   const int g = lane / 4, t = lane % 4;
   const int total_work = p.tile_offsets[p.num_experts];
+  const E2m1Tables tab = load_e2m1_tables();
 
   for (int work = blockIdx.x; work < total_work; work += gridDim.x) {
     // Find the expert whose tile range holds `work` (binary search over the prefix).
@@ -150,25 +151,35 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     const int e = lo;
     // Consecutive work items share an m-block (the same weights) across n-tiles, so CTAs that
     // run together hit the same weight bytes in L2.
+    // Work index within the expert: ((m_block * k_splits) + k_split) * n_tiles + n_tile.
     const int local = work - p.tile_offsets[e];
     const int n_tiles = (p.expert_offsets[e + 1] - p.expert_offsets[e] + kBlockN - 1) / kBlockN;
     const int n_tile = local % n_tiles;
-    const int m_block = local / n_tiles;
+    const int k_split = (local / n_tiles) % p.k_splits;
+    const int m_block = local / n_tiles / p.k_splits;
     const int slot_begin = p.expert_offsets[e] + n_tile * kBlockN;
     const int slot_end = p.expert_offsets[e + 1];
     const int m_tile = m_block * kWarpgroups + wg;
 
-    __syncthreads();  // the previous work item is done with row_ptr and every stage
-    for (int c = tid; c < kBlockN; c += kThreads) {
-      const int slot = slot_begin + c;
-      const __nv_bfloat16* row = nullptr;
-      if (slot < slot_end) {
-        const int64_t src_row = kIsL1 ? p.slot_token[slot] : slot;
-        row = p.b_src + src_row * p.b_ld;
-      }
-      row_ptr[c] = row;
+    // B pieces this thread copies every chunk: (BLOCK_N rows, 8 x 16 bytes), a fixed set per
+    // thread so the per-chunk copy is straight-line code. Piece c of row r lands at c ^ (r % 8)
+    // (128-byte swizzle). Rows past the expert's slots are zero-filled (src-size 0).
+    constexpr int kPieces = kBlockN * 8 / kThreads;
+    static_assert(kBlockN * 8 % kThreads == 0, "BLOCK_N * 8 must be a multiple of the thread count");
+    const char* b_src[kPieces];
+    uint32_t b_dst[kPieces];
+    bool b_valid[kPieces];
+#pragma unroll
+    for (int j = 0; j < kPieces; ++j) {
+      const int i = tid + j * kThreads;
+      const int r = i / 8, c = i % 8;
+      const int slot = slot_begin + r;
+      b_valid[j] = slot < slot_end;
+      const int64_t src_row = !b_valid[j] ? 0 : (kIsL1 ? p.slot_token[slot] : slot);
+      b_src[j] = reinterpret_cast<const char*>(p.b_src + src_row * p.b_ld + c * 8);
+      b_dst[j] = r * 128 + ((c ^ (r & 7)) * 16);
     }
-    __syncthreads();
+    __syncthreads();  // the previous work item is done with every stage
 
     const uint8_t* codes = p.codes + e * p.code_expert_stride +
                            static_cast<int64_t>(m_block * kWarpgroups) * p.k_chunks * kCodeBytesPerTile;
@@ -187,15 +198,11 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
                                   wg * kScaleBytesPerTile + wtid * 16, ssrc, true);
         }
       }
-      // B: (BLOCK_N, 64) bf16, 8 16-byte pieces per row, piece c of row r stored at c ^ (r % 8).
+      // B: (BLOCK_N, 64) bf16 chunk kc of the token rows.
       uint8_t* b_stage = smem + Smem::kBOffset + stage * Smem::kBTileBytes;
-      for (int i = tid; i < kBlockN * 8; i += kThreads) {
-        const int r = i / 8, c = i % 8;
-        const __nv_bfloat16* row = row_ptr[r];
-        const bool valid = row != nullptr;
-        const void* src = valid ? static_cast<const void*>(row + kc * kChunkK + c * 8)
-                                : static_cast<const void*>(p.b_src);
-        detail::cp_async_16(b_stage + r * 128 + ((c ^ (r & 7)) * 16), src, valid);
+#pragma unroll
+      for (int j = 0; j < kPieces; ++j) {
+        detail::cp_async_16(b_stage + b_dst[j], b_src[j] + kc * kChunkK * 2, b_valid[j]);
       }
     };
 
@@ -203,60 +210,77 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
 
+    // Pipeline: chunks are consumed kGroup at a time per barrier (halving the per-chunk cost of
+    // the barrier, the waits and the loop), with kStages - kGroup chunks of copies in flight
+    // ahead of the group being computed. Every iteration commits exactly kGroup cp.async groups
+    // (some empty at the end of K), so the number allowed to stay pending is a constant.
+    constexpr int kGroup = 2;
+    static_assert(kStages >= 2 * kGroup, "need kStages >= 2 * kGroup: a group computing, a group landing");
+    const int k_begin = k_split * p.k_chunks_per_split;
+    const int k_end = min(k_begin + p.k_chunks_per_split, p.k_chunks);
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) {
-      if (s < p.k_chunks) load_chunk(s, s);
+    for (int s = 0; s < kStages - kGroup; ++s) {
+      if (k_begin + s < k_end) load_chunk(k_begin + s, s);
       detail::cp_async_commit();
     }
 
-    for (int kc = 0; kc < p.k_chunks; ++kc) {
-      const int stage = kc % kStages;
-      detail::cp_async_wait<kStages - 2>();
-      // cp.async writes are generic-proxy writes; wgmma reads B through the async proxy.
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      __syncthreads();  // chunk kc visible to all; everyone is done with chunk kc - 1
-      {
-        const int next = kc + kStages - 1;
-        if (next < p.k_chunks) load_chunk(next, next % kStages);
+    for (int kc = k_begin; kc < k_end; kc += kGroup) {
+      detail::cp_async_wait<kStages - 2 * kGroup>();
+      // Completion of this thread's copies + the barrier publish the group to every thread and
+      // to wgmma. No proxy fence: it lowers to MEMBAR.ALL.CTA, which waits for every cp.async
+      // in flight and collapses the pipeline; CUTLASS's cp.async GMMA mainloops likewise hand
+      // cp.async stages to wgmma through a barrier alone.
+      __syncthreads();  // this group visible to all; everyone is done with the previous group
+#pragma unroll
+      for (int j = 0; j < kGroup; ++j) {
+        const int next = kc + kStages - kGroup + j;
+        if (next < k_end) load_chunk(next, (next - k_begin) % kStages);
         detail::cp_async_commit();
       }
 
-      const uint4 q = *reinterpret_cast<const uint4*>(
-          smem + Smem::kCodeOffset + stage * Smem::kCodeStageBytes + wg * kCodeBytesPerTile + wtid * 16);
-      const uint2 sc = *reinterpret_cast<const uint2*>(
-          smem + Smem::kScaleOffset + stage * Smem::kScaleStageBytes + wg * kScaleBytesPerTile + (warp * 8 + g) * 8);
-      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-      const uint32_t scale_pairs[2] = {sc.x, sc.y};
-      uint32_t a[kStepsPerChunk][4];
 #pragma unroll
-      for (int s = 0; s < kStepsPerChunk; ++s) {
-        // (scale of row r0, scale of row r0 + 8) for k-block s of this chunk.
-        const float2 sf = ue4m3x2_to_float2(static_cast<uint16_t>(scale_pairs[s / 2] >> (16 * (s % 2))));
-        const uint32_t s_r0 = bf16x2_splat(sf.x), s_r1 = bf16x2_splat(sf.y);
-        uint32_t v[4];
-        decode_e2m1x8(words[s], v);
-        a[s][0] = bf16x2_mul(v[0], s_r0);  // (r0, k 2t..2t+1)
-        a[s][1] = bf16x2_mul(v[1], s_r1);  // (r1, k 2t..2t+1)
-        a[s][2] = bf16x2_mul(v[2], s_r0);  // (r0, k 2t+8..2t+9)
-        a[s][3] = bf16x2_mul(v[3], s_r1);  // (r1, k 2t+8..2t+9)
+      for (int j = 0; j < kGroup; ++j) {
+        if (kc + j >= k_end) break;
+        const int stage = (kc + j - k_begin) % kStages;
+        const uint4 q = *reinterpret_cast<const uint4*>(
+            smem + Smem::kCodeOffset + stage * Smem::kCodeStageBytes + wg * kCodeBytesPerTile + wtid * 16);
+        const uint2 sc = *reinterpret_cast<const uint2*>(
+            smem + Smem::kScaleOffset + stage * Smem::kScaleStageBytes + wg * kScaleBytesPerTile + (warp * 8 + g) * 8);
+        const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+        const uint32_t scale_pairs[2] = {sc.x, sc.y};
+        uint32_t a[kStepsPerChunk][4];
+#pragma unroll
+        for (int s = 0; s < kStepsPerChunk; ++s) {
+          // (scale of row r0, scale of row r0 + 8) for k-block s of this chunk.
+          const float2 sf = ue4m3x2_to_float2(static_cast<uint16_t>(scale_pairs[s / 2] >> (16 * (s % 2))));
+          const uint32_t s_r0 = bf16x2_splat(sf.x), s_r1 = bf16x2_splat(sf.y);
+          uint32_t v[4];
+          decode_e2m1x8(words[s], tab, v);
+          a[s][0] = bf16x2_mul(v[0], s_r0);  // (r0, k 2t..2t+1)
+          a[s][1] = bf16x2_mul(v[1], s_r1);  // (r1, k 2t..2t+1)
+          a[s][2] = bf16x2_mul(v[2], s_r0);  // (r0, k 2t+8..2t+9)
+          a[s][3] = bf16x2_mul(v[3], s_r1);  // (r1, k 2t+8..2t+9)
+        }
+        const uint8_t* b_stage = smem + Smem::kBOffset + stage * Smem::kBTileBytes;
+        const uint64_t desc = detail::make_sw128_desc(b_stage);
+        detail::wgmma_fence();
+#pragma unroll
+        for (int s = 0; s < kStepsPerChunk; ++s) {
+          // k16 step s starts 32 bytes further along the swizzled 128-byte rows.
+          detail::wgmma_rs<Op>(a[s], desc + static_cast<uint64_t>(s * 2), acc, std::make_index_sequence<kAcc>{});
+        }
+        detail::wgmma_commit();
+        // wgmma reads its A registers asynchronously and ptxas serialises any overlap of their
+        // producers with an earlier group (C7513), so each chunk's group completes before the
+        // next chunk is decoded; other warpgroups on the SM keep the tensor cores busy meanwhile.
+        detail::wgmma_wait_all();
+#pragma unroll
+        for (int s = 0; s < kStepsPerChunk; ++s)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) detail::keep_in_register(a[s][i]);
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) detail::keep_in_register(acc[i]);
       }
-      const uint8_t* b_stage = smem + Smem::kBOffset + stage * Smem::kBTileBytes;
-      const uint64_t desc = detail::make_sw128_desc(b_stage);
-      detail::wgmma_fence();
-#pragma unroll
-      for (int s = 0; s < kStepsPerChunk; ++s) {
-        // k16 step s starts 32 bytes further along the swizzled 128-byte rows.
-        detail::wgmma_rs<Op>(a[s], desc + static_cast<uint64_t>(s * 2), acc, std::make_index_sequence<kAcc>{});
-      }
-      detail::wgmma_commit();
-      detail::wgmma_wait_all();
-      // The A registers are read asynchronously by wgmma: keep them alive until it is done.
-#pragma unroll
-      for (int s = 0; s < kStepsPerChunk; ++s)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) detail::keep_in_register(a[s][j]);
-#pragma unroll
-      for (int i = 0; i < kAcc; ++i) detail::keep_in_register(acc[i]);
     }
     detail::cp_async_wait<0>();
 
