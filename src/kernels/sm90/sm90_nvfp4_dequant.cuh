@@ -24,7 +24,7 @@ __global__ void __launch_bounds__(256) nvfp4_dequant_kernel(
   const float scale = ue4m3x2_to_float2(s).x;
   const E2m1Tables tab = load_e2m1_tables();
   uint32_t v[2][4];
-  decode_e2m1x8(q.x, tab, v[0]);  // v[w][j] = {element 8w + j, element 8w + j + 4}
+  decode_e2m1x8(q.x, tab, v[0]);  // v[w][j] = {element 8w + 2j, element 8w + 2j + 1}
   decode_e2m1x8(q.y, tab, v[1]);
   __align__(16) __nv_bfloat16 res[16];
 #pragma unroll
@@ -33,8 +33,8 @@ __global__ void __launch_bounds__(256) nvfp4_dequant_kernel(
     for (int j = 0; j < 4; ++j) {
       const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v[w][j]));
       // (e2m1 * scale) is exact in fp32; the one rounding is the multiply by the global scale.
-      res[8 * w + j] = __float2bfloat16_rn((f.x * scale) * global_scale);
-      res[8 * w + j + 4] = __float2bfloat16_rn((f.y * scale) * global_scale);
+      res[8 * w + 2 * j] = __float2bfloat16_rn((f.x * scale) * global_scale);
+      res[8 * w + 2 * j + 1] = __float2bfloat16_rn((f.y * scale) * global_scale);
     }
   }
   uint4* dst = reinterpret_cast<uint4*>(out + b * 16);

@@ -131,7 +131,10 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
   constexpr int kAcc = kBlockN / 2;  // fp32 accumulators per thread: (64, BLOCK_N) / 128
 
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  // Align to 1024 B (the 128-byte swizzle atom) by offsetting the array itself, so the compiler
+  // still knows the pointer is shared memory and emits LDS rather than generic loads.
+  const uint32_t smem_misalign = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023u;
+  uint8_t* smem = smem_raw + ((1024u - smem_misalign) & 1023u);
 
   const int tid = threadIdx.x;
   const int wg = tid / kThreadsPerWarpgroup;   // which 64-row tile of the block

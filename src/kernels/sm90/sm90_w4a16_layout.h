@@ -11,9 +11,9 @@
 // converted) so that:
 //   * one 16-byte load gives a thread its codes for 4 k16 steps (one 64-wide K chunk); the 128
 //     threads of a warpgroup read one contiguous 2 KiB block per (64-row tile, K chunk);
-//   * word s of those 16 bytes holds the step-s codes with nibble p = element a_{2(p&3)+(p>>2)},
-//     i.e. nibble j and nibble j+4 are the two halves of A register j. decode_e2m1x8 produces
-//     register j = {nibble j, nibble j+4}, which pairs the sign bits 16 bits apart (one shift);
+//   * word s of those 16 bytes holds the step-s codes with nibble p = element a_p, so that
+//     decode_e2m1x8, which produces register j = {nibble 2j, nibble 2j+1}, yields the A
+//     fragment registers in order;
 //   * the 8 scale bytes a thread needs per chunk (rows r0, r1 x 4 steps) are contiguous, shared
 //     by the 4 threads of a quad: byte 2s + h = scale(row r0 + 8h, k-block 4*chunk + s).
 #pragma once
@@ -31,8 +31,8 @@ inline constexpr int kScaleBytesPerTile = kTileM * kChunkK / 16;  // 256: (64, 4
 static_assert(kCodeBytesPerTile == kThreadsPerWarpgroup * 16, "one 16-byte load per thread");
 
 // Element p (0..7) of a thread's step word: tile-local row offset from r0 and k offset from 2t.
-constexpr int nibble_row_offset(int p) { return 8 * (p & 1); }
-constexpr int nibble_k_offset(int p) { return (p >> 2) + 8 * ((p >> 1) & 1); }
+constexpr int nibble_row_offset(int p) { return 8 * ((p >> 1) & 1); }
+constexpr int nibble_k_offset(int p) { return (p & 1) + 8 * (p >> 2); }
 
 // For W13 the tiles interleave gate and up rows so that a thread's accumulator rows r0 and
 // r0 + 8 are the gate and the up projection of the same intermediate column: SwiGLU then runs
