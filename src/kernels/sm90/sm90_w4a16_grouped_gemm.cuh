@@ -213,11 +213,13 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
 #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
 
-    // Pipeline: chunks are consumed kGroup at a time per barrier (halving the per-chunk cost of
-    // the barrier, the waits and the loop), with kStages - kGroup chunks of copies in flight
+    // Pipeline: chunks are consumed kGroup at a time per barrier (amortising the barrier, the
+    // waits and the wgmma round trip), with kStages - kGroup chunks of copies in flight
     // ahead of the group being computed. Every iteration commits exactly kGroup cp.async groups
     // (some empty at the end of K), so the number allowed to stay pending is a constant.
-    constexpr int kGroup = 2;
+    // Decode tiles (narrow N) pair chunks: the A fragments of two chunks fit the register budget
+    // there, while wide tiles need those registers for accumulators.
+    constexpr int kGroup = kBlockN <= 16 ? 2 : 1;
     static_assert(kStages >= 2 * kGroup, "need kStages >= 2 * kGroup: a group computing, a group landing");
     const int k_begin = k_split * p.k_chunks_per_split;
     const int k_end = min(k_begin + p.k_chunks_per_split, p.k_chunks);
@@ -227,7 +229,62 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
       detail::cp_async_commit();
     }
 
-    for (int kc = k_begin; kc < k_end; kc += kGroup) {
+    // Decodes kChunks consecutive chunks (all landed), then issues their wgmmas and waits once:
+    // one wgmma round trip per group instead of per chunk. No control flow between the wgmmas
+    // and no A producer overlapping an in-flight group, either of which makes ptxas serialise or
+    // inject warpgroup arrives (C7513/C7519).
+    auto compute_chunks = [&](auto chunk_count, int kc) {
+      constexpr int kChunks = decltype(chunk_count)::value;
+      uint32_t a[kChunks][kStepsPerChunk][4];
+#pragma unroll
+      for (int j = 0; j < kChunks; ++j) {
+        const uint32_t stage = static_cast<uint32_t>(kc + j - k_begin) % kStages;
+        const uint4 q = *reinterpret_cast<const uint4*>(
+            smem + Smem::kCodeOffset + stage * Smem::kCodeStageBytes + wg * kCodeBytesPerTile + wtid * 16);
+        const uint2 sc = *reinterpret_cast<const uint2*>(
+            smem + Smem::kScaleOffset + stage * Smem::kScaleStageBytes + wg * kScaleBytesPerTile + (warp * 8 + g) * 8);
+        const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+        const uint32_t scale_pairs[2] = {sc.x, sc.y};
+#pragma unroll
+        for (int s = 0; s < kStepsPerChunk; ++s) {
+          // (scale of row r0, scale of row r0 + 8) for k-block s of this chunk.
+          const float2 sf = ue4m3x2_to_float2(static_cast<uint16_t>(scale_pairs[s / 2] >> (16 * (s % 2))));
+          const uint32_t s_r0 = bf16x2_splat(sf.x), s_r1 = bf16x2_splat(sf.y);
+          uint32_t v[4];
+          decode_e2m1x8(words[s], tab, v);
+          a[j][s][0] = bf16x2_mul(v[0], s_r0);  // (r0, k 2t..2t+1)
+          a[j][s][1] = bf16x2_mul(v[1], s_r1);  // (r1, k 2t..2t+1)
+          a[j][s][2] = bf16x2_mul(v[2], s_r0);  // (r0, k 2t+8..2t+9)
+          a[j][s][3] = bf16x2_mul(v[3], s_r1);  // (r1, k 2t+8..2t+9)
+        }
+      }
+      detail::wgmma_fence();
+#pragma unroll
+      for (int j = 0; j < kChunks; ++j) {
+        const uint32_t stage = static_cast<uint32_t>(kc + j - k_begin) % kStages;
+        const uint64_t desc = detail::make_sw128_desc(smem + Smem::kBOffset + stage * Smem::kBTileBytes);
+#pragma unroll
+        for (int s = 0; s < kStepsPerChunk; ++s) {
+          // k16 step s starts 32 bytes further along the swizzled 128-byte rows.
+          detail::wgmma_rs<Op>(a[j][s], desc + static_cast<uint64_t>(s * 2), acc,
+                               std::make_index_sequence<kAcc>{});
+        }
+      }
+      detail::wgmma_commit();
+      detail::wgmma_wait_all();
+      // wgmma reads its A registers asynchronously: keep them alive until it has completed.
+#pragma unroll
+      for (int j = 0; j < kChunks; ++j)
+#pragma unroll
+        for (int s = 0; s < kStepsPerChunk; ++s)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) detail::keep_in_register(a[j][s][i]);
+#pragma unroll
+      for (int i = 0; i < kAcc; ++i) detail::keep_in_register(acc[i]);
+    };
+
+    int kc = k_begin;
+    for (; kc + kGroup <= k_end; kc += kGroup) {
       detail::cp_async_wait<kStages - 2 * kGroup>();
       // Completion of this thread's copies + the barrier publish the group to every thread and
       // to wgmma. No proxy fence: it lowers to MEMBAR.ALL.CTA, which waits for every cp.async
@@ -237,52 +294,17 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
 #pragma unroll
       for (int j = 0; j < kGroup; ++j) {
         const int next = kc + kStages - kGroup + j;
-        if (next < k_end) load_chunk(next, (next - k_begin) % kStages);
+        if (next < k_end) load_chunk(next, static_cast<uint32_t>(next - k_begin) % kStages);
         detail::cp_async_commit();
       }
-
-#pragma unroll
-      for (int j = 0; j < kGroup; ++j) {
-        if (kc + j >= k_end) break;
-        const int stage = (kc + j - k_begin) % kStages;
-        const uint4 q = *reinterpret_cast<const uint4*>(
-            smem + Smem::kCodeOffset + stage * Smem::kCodeStageBytes + wg * kCodeBytesPerTile + wtid * 16);
-        const uint2 sc = *reinterpret_cast<const uint2*>(
-            smem + Smem::kScaleOffset + stage * Smem::kScaleStageBytes + wg * kScaleBytesPerTile + (warp * 8 + g) * 8);
-        const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-        const uint32_t scale_pairs[2] = {sc.x, sc.y};
-        uint32_t a[kStepsPerChunk][4];
-#pragma unroll
-        for (int s = 0; s < kStepsPerChunk; ++s) {
-          // (scale of row r0, scale of row r0 + 8) for k-block s of this chunk.
-          const float2 sf = ue4m3x2_to_float2(static_cast<uint16_t>(scale_pairs[s / 2] >> (16 * (s % 2))));
-          const uint32_t s_r0 = bf16x2_splat(sf.x), s_r1 = bf16x2_splat(sf.y);
-          uint32_t v[4];
-          decode_e2m1x8(words[s], tab, v);
-          a[s][0] = bf16x2_mul(v[0], s_r0);  // (r0, k 2t..2t+1)
-          a[s][1] = bf16x2_mul(v[1], s_r1);  // (r1, k 2t..2t+1)
-          a[s][2] = bf16x2_mul(v[2], s_r0);  // (r0, k 2t+8..2t+9)
-          a[s][3] = bf16x2_mul(v[3], s_r1);  // (r1, k 2t+8..2t+9)
-        }
-        const uint8_t* b_stage = smem + Smem::kBOffset + stage * Smem::kBTileBytes;
-        const uint64_t desc = detail::make_sw128_desc(b_stage);
-        detail::wgmma_fence();
-#pragma unroll
-        for (int s = 0; s < kStepsPerChunk; ++s) {
-          // k16 step s starts 32 bytes further along the swizzled 128-byte rows.
-          detail::wgmma_rs<Op>(a[s], desc + static_cast<uint64_t>(s * 2), acc, std::make_index_sequence<kAcc>{});
-        }
-        detail::wgmma_commit();
-        // wgmma reads its A registers asynchronously and ptxas serialises any overlap of their
-        // producers with an earlier group (C7513), so each chunk's group completes before the
-        // next chunk is decoded; other warpgroups on the SM keep the tensor cores busy meanwhile.
-        detail::wgmma_wait_all();
-#pragma unroll
-        for (int s = 0; s < kStepsPerChunk; ++s)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) detail::keep_in_register(a[s][i]);
-#pragma unroll
-        for (int i = 0; i < kAcc; ++i) detail::keep_in_register(acc[i]);
+      compute_chunks(std::integral_constant<int, kGroup>{}, kc);
+    }
+    static_assert(kGroup <= 2, "the tail below handles at most one leftover chunk");
+    if constexpr (kGroup == 2) {
+      if (kc < k_end) {  // an odd chunk count: the last chunk is already in flight
+        detail::cp_async_wait<0>();
+        __syncthreads();
+        compute_chunks(std::integral_constant<int, 1>{}, kc);
       }
     }
     detail::cp_async_wait<0>();
