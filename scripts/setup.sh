@@ -30,6 +30,18 @@ if ! command -v nvcc >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/nvcc ]; then
   exit 1
 fi
 
+# The nlohmann-json headers of the Debian package, vendored into the git-ignored
+# third_party/nlohmann: CMake falls back to them where the package cannot be installed (the GPU
+# machine that builds only the library and the Python extension gets third_party/ carried along).
+NLOHMANN_DIR="${ROOT}/third_party/nlohmann"
+nlohmann_version="$(dpkg-query -W -f='${Version}' nlohmann-json3-dev)"
+if [ "$(cat "${NLOHMANN_DIR}/.version" 2>/dev/null)" != "${nlohmann_version}" ]; then
+  rm -rf "${NLOHMANN_DIR}"
+  mkdir -p "${NLOHMANN_DIR}/include"
+  cp -r /usr/include/nlohmann "${NLOHMANN_DIR}/include/"
+  echo "${nlohmann_version}" > "${NLOHMANN_DIR}/.version"
+fi
+
 stamp="${CUTLASS_DIR}/.version"
 if [ "$(cat "$stamp" 2>/dev/null)" != "${CUTLASS_VERSION}" ]; then
   tmp="$(mktemp -d)"

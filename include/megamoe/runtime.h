@@ -72,6 +72,7 @@ struct StackedNvfp4Weights {
 // checkpoint's, reshuffled for the kernels, never decoded into memory.
 class MoeDeviceWeights {
  public:
+  // Prepacks on all host cores and copies on `stream`; returns once the copies have landed.
   static MoeDeviceWeights upload(const MoeLayer& layer, cudaStream_t stream = nullptr);
   // The same prepacked weights from the stacked device layout. A one-time load step, not for a
   // forward pass: it copies the tensors to the host (after the work already queued on `stream`),

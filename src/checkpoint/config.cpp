@@ -235,7 +235,11 @@ void load_deepseek_v3(const Fields& f, ModelConfig& c) {
 void load_qwen3_moe(const Fields& f, const json& obj, ModelConfig& c) {
   c.hidden_size = f.integer("hidden_size", 1, INT64_MAX);
   c.moe_intermediate_size = f.integer("moe_intermediate_size", 1, INT64_MAX);
-  c.num_experts = f.integer("num_experts", 1, kIntMax);
+  // transformers 4 writes the expert count as `num_experts`, transformers 5 as
+  // `num_local_experts`; accept either.
+  c.num_experts = f.has("num_experts") || !f.has("num_local_experts")
+                      ? f.integer("num_experts", 1, kIntMax)
+                      : f.integer("num_local_experts", 1, kIntMax);
   c.num_experts_per_tok = static_cast<int>(f.integer("num_experts_per_tok", 1, kIntMax));
   c.num_hidden_layers = f.integer("num_hidden_layers", 1, INT64_MAX);
   MEGAMOE_CHECK(c.num_experts_per_tok <= c.num_experts, kInvalidCheckpoint, "'", f.file(),

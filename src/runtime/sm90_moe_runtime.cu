@@ -167,8 +167,8 @@ MoeDeviceWeights MoeDeviceWeights::upload(const MoeLayer& layer, cudaStream_t st
     s2[EV + v] = ex.up.weight_scale_2;
     s2[2 * EV + v] = ex.down.weight_scale_2;
   }
-  check_cuda(cudaMemcpy(w.s2, s2.data(), s2.size() * sizeof(float), cudaMemcpyHostToDevice),
-             "cudaMemcpy(global scales)");
+  check_cuda(cudaMemcpyAsync(w.s2, s2.data(), s2.size() * sizeof(float), cudaMemcpyHostToDevice, stream),
+             "cudaMemcpyAsync(global scales)");
 
   // Prepack in batches of experts on all cores, upload each batch (bounded host memory).
   const int threads = std::max(1u, std::thread::hardware_concurrency());
@@ -208,8 +208,8 @@ MoeDeviceWeights MoeDeviceWeights::upload(const MoeLayer& layer, cudaStream_t st
       const int64_t v = first + i;
       const uint8_t* base = host.data() + static_cast<size_t>(i) * per_expert;
       auto copy = [&](uint8_t* dst, const uint8_t* src, int64_t bytes) {
-        check_cuda(cudaMemcpy(dst, src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice),
-                   "cudaMemcpy(prepacked weights)");
+        check_cuda(cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes), cudaMemcpyHostToDevice, stream),
+                   "cudaMemcpyAsync(prepacked weights)");
       };
       copy(w.w13_codes + v * w.w13_code_stride, base, w.w13_code_stride);
       copy(w.w13_scales + v * w.w13_scale_stride, base + w.w13_code_stride, w.w13_scale_stride);
@@ -218,8 +218,10 @@ MoeDeviceWeights MoeDeviceWeights::upload(const MoeLayer& layer, cudaStream_t st
       copy(w.w2_scales + v * w.w2_scale_stride,
            base + w.w13_code_stride + w.w13_scale_stride + w.w2_code_stride, w.w2_scale_stride);
     }
+    // The host buffer is refilled by the next batch, and a pageable-memory copy may return before
+    // its DMA lands: wait, so neither the next batch nor a kernel on another stream races it.
+    check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize(weight upload)");
   }
-  (void)stream;
   return out;
 }
 

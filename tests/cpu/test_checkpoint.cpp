@@ -553,6 +553,12 @@ TEST_F(ModelConfigTest, Qwen3Moe) {
   EXPECT_TRUE(r.renormalize);
   EXPECT_EQ(r.routed_scaling_factor, 1.0f);
 
+  // transformers 5 names the expert count num_local_experts.
+  json v5 = qwen3_config();
+  v5.erase("num_experts");
+  v5["num_local_experts"] = 96;
+  EXPECT_EQ(megamoe::load_model_config(write_config("qwen_v5", v5.dump())).num_experts, 96);
+
   // transformers' Qwen3MoeConfig defaults: norm_topk_prob false, every layer sparse.
   json minimal = {{"architectures", {"Qwen3MoeForCausalLM"}}, {"hidden_size", 2048},
                   {"moe_intermediate_size", 768}, {"num_experts", 128},

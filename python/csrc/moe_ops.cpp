@@ -1,0 +1,425 @@
+// megamoe::moe_prepare / moe_release / moe_describe and megamoe::fused_moe_nvfp4.
+//
+// A prepared layer (MoePlan + prepacked MoeDeviceWeights + workspace) is built once from the
+// stacked weights by moe_prepare and lives in a process-wide registry under an integer handle:
+// an int is what torch.compile can carry through a graph as a constant, and what a CUDA graph
+// replay needs (the workspace and the prepacked weights stay at fixed addresses). The fused op
+// takes the stacked weights too, so the call states what it computes; it checks that they are the
+// very tensors the handle was prepared from, unchanged, and never re-prepares.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cmath>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "megamoe/gpu.h"
+#include "megamoe/runtime.h"
+#include "torch_utils.h"
+
+namespace megamoe::torch_ext {
+namespace {
+
+constexpr const char* kPrepare = "moe_prepare";
+constexpr const char* kFused = "fused_moe_nvfp4";
+constexpr const char* kRelease = "moe_release";
+constexpr const char* kDescribe = "moe_describe";
+
+// The stacked layer tensors as the ops receive them (DESIGN.md §2 engine layout).
+struct Stacked {
+  at::Tensor w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2;
+  std::optional<at::Tensor> shared_w13, shared_w13_scale, shared_w13_scale_2, shared_w2,
+      shared_w2_scale, shared_w2_scale_2;
+
+  std::vector<std::pair<const char*, const std::optional<at::Tensor>*>> shared() const {
+    return {{"shared_w13", &shared_w13},     {"shared_w13_scale", &shared_w13_scale},
+            {"shared_w13_scale_2", &shared_w13_scale_2}, {"shared_w2", &shared_w2},
+            {"shared_w2_scale", &shared_w2_scale}, {"shared_w2_scale_2", &shared_w2_scale_2}};
+  }
+  // Every tensor given, routed first, with its argument name.
+  std::vector<std::pair<const char*, at::Tensor>> present() const {
+    std::vector<std::pair<const char*, at::Tensor>> out = {
+        {"w13", w13}, {"w13_scale", w13_scale}, {"w13_scale_2", w13_scale_2},
+        {"w2", w2},   {"w2_scale", w2_scale},   {"w2_scale_2", w2_scale_2}};
+    for (const auto& [name, t] : shared()) {
+      if (t->has_value()) out.emplace_back(name, **t);
+    }
+    return out;
+  }
+};
+
+struct LayerShape {
+  int64_t hidden = 0, inter = 0, experts = 0, shared_inter = 0;
+  at::Device device = at::kCPU;
+};
+
+// Validates dtypes, shapes, devices and layout of the stacked tensors; returns H, I, E, Is.
+LayerShape check_stacked(const char* op, const Stacked& s) {
+  arg(op, "w13", s.w13)
+      .cuda()
+      .dtype({at::kByte})
+      .dims(3, "[E, 2I, H/2] packed e2m1, rows gate then up")
+      .contiguous();
+  LayerShape L;
+  L.device = s.w13.device();
+  L.experts = s.w13.size(0);
+  L.hidden = 2 * s.w13.size(2);
+  L.inter = s.w13.size(1) / 2;
+  TORCH_CHECK_VALUE(L.experts >= 1 && s.w13.size(1) % 2 == 0 && L.inter % 16 == 0 &&
+                        L.inter >= 16 && L.hidden % 16 == 0 && L.hidden >= 16,
+                    "megamoe.", op, ": w13 has shape ", sizes_string(s.w13.sizes()),
+                    ", which gives E = ", L.experts, ", 2I = ", s.w13.size(1), ", H = ", L.hidden,
+                    "; E must be >= 1, and H and I positive multiples of 16 (one ue4m3 scale per "
+                    "16 elements).");
+  const int64_t E = L.experts, H = L.hidden, I = L.inter;
+  arg(op, "w13_scale", s.w13_scale).on(L.device).scale_dtype()
+      .shape({E, 2 * I, H / 16}, "[E, 2I, H/16] ue4m3 block scales").contiguous();
+  arg(op, "w13_scale_2", s.w13_scale_2).on(L.device).dtype({at::kFloat})
+      .shape({E, 2}, "[E, 2] fp32 global scales of gate and up").contiguous();
+  arg(op, "w2", s.w2).on(L.device).dtype({at::kByte})
+      .shape({E, H, I / 2}, "[E, H, I/2] packed e2m1").contiguous();
+  arg(op, "w2_scale", s.w2_scale).on(L.device).scale_dtype()
+      .shape({E, H, I / 16}, "[E, H, I/16] ue4m3 block scales").contiguous();
+  arg(op, "w2_scale_2", s.w2_scale_2).on(L.device).dtype({at::kFloat})
+      .shape({E}, "[E] fp32 global scales of down").contiguous();
+
+  std::string given, missing;
+  for (const auto& [name, t] : s.shared()) {
+    std::string& list = t->has_value() ? given : missing;
+    list += (list.empty() ? "" : ", ") + std::string(name);
+  }
+  TORCH_CHECK_VALUE(given.empty() || missing.empty(), "megamoe.", op,
+                    ": a shared expert needs all six shared_* tensors; given ", given,
+                    ", missing ", missing, ".");
+  if (!given.empty()) {
+    const at::Tensor& sw13 = *s.shared_w13;
+    arg(op, "shared_w13", sw13).on(L.device).dtype({at::kByte})
+        .shape({-1, H / 2}, "[2Is, H/2] packed e2m1, rows gate then up").contiguous();
+    L.shared_inter = sw13.size(0) / 2;
+    TORCH_CHECK_VALUE(sw13.size(0) % 2 == 0 && L.shared_inter >= 16 && L.shared_inter % 16 == 0,
+                      "megamoe.", op, ": shared_w13 has ", sw13.size(0),
+                      " rows; expected 2Is with Is a positive multiple of 16.");
+    const int64_t Is = L.shared_inter;
+    arg(op, "shared_w13_scale", *s.shared_w13_scale).on(L.device).scale_dtype()
+        .shape({2 * Is, H / 16}, "[2Is, H/16] ue4m3 block scales").contiguous();
+    arg(op, "shared_w13_scale_2", *s.shared_w13_scale_2).on(L.device).dtype({at::kFloat})
+        .shape({2}, "[2] fp32 global scales of gate and up").contiguous();
+    arg(op, "shared_w2", *s.shared_w2).on(L.device).dtype({at::kByte})
+        .shape({H, Is / 2}, "[H, Is/2] packed e2m1").contiguous();
+    arg(op, "shared_w2_scale", *s.shared_w2_scale).on(L.device).scale_dtype()
+        .shape({H, Is / 16}, "[H, Is/16] ue4m3 block scales").contiguous();
+    const at::Tensor& s2 = *s.shared_w2_scale_2;
+    arg(op, "shared_w2_scale_2", s2).on(L.device).dtype({at::kFloat});
+    TORCH_CHECK_VALUE(s2.numel() == 1 && s2.dim() <= 1, "megamoe.", op,
+                      ": shared_w2_scale_2 has shape ", sizes_string(s2.sizes()),
+                      "; expected one fp32 global scale, shape [] or [1].");
+  }
+  return L;
+}
+
+const uint8_t* bytes(const at::Tensor& t) { return static_cast<const uint8_t*>(t.const_data_ptr()); }
+const float* floats(const at::Tensor& t) { return t.const_data_ptr<float>(); }
+
+StackedNvfp4Weights device_view(const Stacked& s, const LayerShape& L) {
+  StackedNvfp4Weights w;
+  w.hidden_size = L.hidden;
+  w.intermediate_size = L.inter;
+  w.num_experts = L.experts;
+  w.w13 = bytes(s.w13);
+  w.w13_scale = bytes(s.w13_scale);
+  w.w13_scale_2 = floats(s.w13_scale_2);
+  w.w2 = bytes(s.w2);
+  w.w2_scale = bytes(s.w2_scale);
+  w.w2_scale_2 = floats(s.w2_scale_2);
+  w.shared_intermediate_size = L.shared_inter;
+  if (L.shared_inter > 0) {
+    w.shared_w13 = bytes(*s.shared_w13);
+    w.shared_w13_scale = bytes(*s.shared_w13_scale);
+    w.shared_w13_scale_2 = floats(*s.shared_w13_scale_2);
+    w.shared_w2 = bytes(*s.shared_w2);
+    w.shared_w2_scale = bytes(*s.shared_w2_scale);
+    w.shared_w2_scale_2 = floats(*s.shared_w2_scale_2);
+  }
+  return w;
+}
+
+// What identifies a source tensor: its data, shape, dtype and (when it tracks one) the version
+// counter that every in-place write (copy_, load_state_dict) bumps.
+struct Fingerprint {
+  std::string name;
+  const void* data = nullptr;
+  std::vector<int64_t> sizes;
+  at::ScalarType dtype = at::kByte;
+  std::optional<int64_t> version;  // none for inference-mode tensors, which track no version
+
+  static Fingerprint of(const char* name, const at::Tensor& t) {
+    Fingerprint f;
+    f.name = name;
+    f.data = t.const_data_ptr();
+    f.sizes = t.sizes().vec();
+    f.dtype = t.scalar_type();
+    if (!t.is_inference()) f.version = t._version();
+    return f;
+  }
+};
+
+// One prepared layer on one device.
+struct PreparedMoe {
+  PreparedMoe(at::Device dev, MoePlan p, MoeDeviceWeights w, at::Tensor ws,
+              std::vector<Fingerprint> src)
+      : device(dev), plan(std::move(p)), weights(std::move(w)), workspace(std::move(ws)),
+        sources(std::move(src)) {}
+  at::Device device;
+  MoePlan plan;
+  MoeDeviceWeights weights;
+  at::Tensor workspace;  // uint8, MoePlan::workspace_bytes() (the caching allocator aligns to 512)
+  std::vector<Fingerprint> sources;
+};
+
+class Registry {
+ public:
+  int64_t add(std::shared_ptr<PreparedMoe> p) {
+    const std::lock_guard<std::mutex> lock(mu_);
+    const int64_t id = next_++;
+    live_.emplace(id, std::move(p));
+    return id;
+  }
+  std::shared_ptr<PreparedMoe> get(int64_t id, const char* op) const {
+    const std::lock_guard<std::mutex> lock(mu_);
+    const auto it = live_.find(id);
+    TORCH_CHECK_VALUE(it != live_.end(), "megamoe.", op, ": handle ", id,
+                      " is not a live prepared layer (never returned by megamoe.moe_prepare, or "
+                      "already released).");
+    return it->second;
+  }
+  std::shared_ptr<PreparedMoe> remove(int64_t id, const char* op) {
+    const std::lock_guard<std::mutex> lock(mu_);
+    const auto it = live_.find(id);
+    TORCH_CHECK_VALUE(it != live_.end(), "megamoe.", op, ": handle ", id,
+                      " is not a live prepared layer (never returned by megamoe.moe_prepare, or "
+                      "already released).");
+    std::shared_ptr<PreparedMoe> p = std::move(it->second);
+    live_.erase(it);
+    return p;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  int64_t next_ = 1;
+  std::unordered_map<int64_t, std::shared_ptr<PreparedMoe>> live_;
+};
+
+// Never destroyed: layers still registered at exit must not be freed after the CUDA runtime has
+// shut down (static destruction order across libraries is unspecified).
+Registry& registry() {
+  static Registry* r = new Registry();
+  return *r;
+}
+
+cudaStream_t current_stream(const at::Device& device) {
+  return at::cuda::getCurrentCUDAStream(device.index()).stream();
+}
+
+bool is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  gpu::check_cuda(cudaStreamIsCapturing(stream, &status), "cudaStreamIsCapturing");
+  return status != cudaStreamCaptureStatusNone;
+}
+
+std::string limit_string(const std::optional<float>& limit) {
+  return limit ? std::to_string(*limit) : std::string("None");
+}
+
+int64_t moe_prepare(const at::Tensor& w13, const at::Tensor& w13_scale,
+                    const at::Tensor& w13_scale_2, const at::Tensor& w2, const at::Tensor& w2_scale,
+                    const at::Tensor& w2_scale_2, int64_t top_k, int64_t max_tokens,
+                    std::optional<double> swiglu_limit, bool deterministic,
+                    const std::optional<at::Tensor>& shared_w13,
+                    const std::optional<at::Tensor>& shared_w13_scale,
+                    const std::optional<at::Tensor>& shared_w13_scale_2,
+                    const std::optional<at::Tensor>& shared_w2,
+                    const std::optional<at::Tensor>& shared_w2_scale,
+                    const std::optional<at::Tensor>& shared_w2_scale_2) {
+  return translate_errors(kPrepare, [&] {
+    const Stacked s{w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, shared_w13,
+                    shared_w13_scale, shared_w13_scale_2, shared_w2, shared_w2_scale,
+                    shared_w2_scale_2};
+    const LayerShape L = check_stacked(kPrepare, s);
+    TORCH_CHECK_VALUE(top_k >= 1 && top_k <= INT_MAX, "megamoe.", kPrepare, ": top_k = ", top_k,
+                      " must be >= 1.");
+    MoeProblem problem;
+    problem.hidden_size = L.hidden;
+    problem.intermediate_size = L.inter;
+    problem.num_experts = L.experts;
+    problem.top_k = static_cast<int>(top_k);
+    problem.shared_intermediate_size = L.shared_inter;
+    problem.max_tokens = max_tokens;
+    if (swiglu_limit) problem.swiglu_limit = static_cast<float>(*swiglu_limit);
+    problem.deterministic = deterministic;
+
+    const c10::cuda::CUDAGuard guard(L.device);
+    MoePlan plan = MoePlan::create(problem);
+    MoeDeviceWeights weights = MoeDeviceWeights::from_stacked(device_view(s, L), current_stream(L.device));
+    const int64_t ws_bytes = std::max<int64_t>(static_cast<int64_t>(plan.workspace_bytes()), 256);
+    at::Tensor workspace = at::empty({ws_bytes}, at::TensorOptions().dtype(at::kByte).device(L.device));
+    std::vector<Fingerprint> sources;
+    for (const auto& [name, t] : s.present()) sources.push_back(Fingerprint::of(name, t));
+    return registry().add(std::make_shared<PreparedMoe>(L.device, std::move(plan), std::move(weights),
+                                                        std::move(workspace), std::move(sources)));
+  });
+}
+
+void moe_release(int64_t handle) {
+  translate_errors(kRelease, [&] {
+    std::shared_ptr<PreparedMoe> p = registry().remove(handle, kRelease);
+    // Work queued with this layer may still be running (on any stream): let it finish before
+    // its weights and workspace are freed. Releasing is rare (a module going away).
+    const c10::cuda::CUDAGuard guard(p->device);
+    gpu::check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize(before releasing a layer)");
+  });
+}
+
+std::string moe_describe(int64_t handle, int64_t tokens) {
+  return translate_errors(kDescribe, [&] {
+    const std::shared_ptr<PreparedMoe> p = registry().get(handle, kDescribe);
+    const MoeProblem& pr = p->plan.problem();
+    std::ostringstream os;
+    os << "megamoe layer " << handle << " on " << p->device << ": H=" << pr.hidden_size
+       << " I=" << pr.intermediate_size << " E=" << pr.num_experts << " top_k=" << pr.top_k
+       << " shared_I=" << pr.shared_intermediate_size << " max_tokens=" << pr.max_tokens
+       << " swiglu_limit=" << limit_string(pr.swiglu_limit) << "; prepacked weights "
+       << p->weights.device_bytes() << " B, workspace " << p->workspace.numel() << " B; "
+       << p->plan.describe(tokens);
+    return os.str();
+  });
+}
+
+// The source tensors and options of the call must be those the handle was prepared with.
+void check_same_layer(const PreparedMoe& p, const Stacked& s, std::optional<double> swiglu_limit,
+                      bool deterministic, int64_t handle) {
+  const auto given = s.present();
+  TORCH_CHECK_VALUE(given.size() == p.sources.size(), "megamoe.", kFused, ": handle ", handle,
+                    " was prepared ", p.sources.size() > 6 ? "with" : "without",
+                    " a shared expert, but the call passes ", given.size() > 6 ? "one" : "none",
+                    ".");
+  for (size_t i = 0; i < given.size(); ++i) {
+    const Fingerprint now = Fingerprint::of(given[i].first, given[i].second);
+    const Fingerprint& then = p.sources[i];
+    const char* why = nullptr;
+    if (now.data != then.data || now.dtype != then.dtype) {
+      why = "is not the tensor the handle was prepared from";
+    } else if (now.sizes != then.sizes) {
+      why = "has changed shape since the handle was prepared";
+    } else if (now.version != then.version) {
+      why = "was modified in place since the handle was prepared";
+    }
+    TORCH_CHECK_VALUE(why == nullptr, "megamoe.", kFused, ": ", now.name, " ", why, " (handle ",
+                      handle, "); the prepacked copy would be stale. Prepare again after changing "
+                      "weights (megamoe.moe_prepare, or NVFP4MoE.prepare()).");
+  }
+  const MoeProblem& pr = p.plan.problem();
+  const std::optional<float> limit =
+      swiglu_limit ? std::optional<float>(static_cast<float>(*swiglu_limit)) : std::nullopt;
+  TORCH_CHECK_VALUE(limit == pr.swiglu_limit && deterministic == pr.deterministic, "megamoe.",
+                    kFused, ": the call asks for swiglu_limit=", limit_string(limit),
+                    ", deterministic=", deterministic ? "True" : "False", " but handle ", handle,
+                    " was prepared with swiglu_limit=", limit_string(pr.swiglu_limit),
+                    ", deterministic=", pr.deterministic ? "True" : "False",
+                    "; options are fixed at prepare time.");
+}
+
+at::Tensor fused_moe_nvfp4_cuda(
+    const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w13_scale,
+    const at::Tensor& w13_scale_2, const at::Tensor& w2, const at::Tensor& w2_scale,
+    const at::Tensor& w2_scale_2, const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+    int64_t handle, std::optional<double> swiglu_limit, bool deterministic,
+    const std::optional<at::Tensor>& shared_w13, const std::optional<at::Tensor>& shared_w13_scale,
+    const std::optional<at::Tensor>& shared_w13_scale_2,
+    const std::optional<at::Tensor>& shared_w2, const std::optional<at::Tensor>& shared_w2_scale,
+    const std::optional<at::Tensor>& shared_w2_scale_2, bool check_ids) {
+  return translate_errors(kFused, [&] {
+    const std::shared_ptr<PreparedMoe> p = registry().get(handle, kFused);
+    const Stacked s{w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, shared_w13,
+                    shared_w13_scale, shared_w13_scale_2, shared_w2, shared_w2_scale,
+                    shared_w2_scale_2};
+    check_same_layer(*p, s, swiglu_limit, deterministic, handle);
+    const MoeProblem& pr = p->plan.problem();
+    const int64_t H = pr.hidden_size, E = pr.num_experts, k = pr.top_k;
+
+    arg(kFused, "hidden", hidden).on(p->device).dtype({at::kBFloat16})
+        .shape({-1, H}, "[T, H] bf16 tokens").contiguous().aligned(16);
+    const int64_t T = hidden.size(0);
+    arg(kFused, "topk_ids", topk_ids).on(p->device).dtype({at::kInt, at::kLong})
+        .shape({T, k}, "[T, top_k] expert ids, top_k of the prepared layer").contiguous();
+    arg(kFused, "topk_weights", topk_weights).on(p->device)
+        .dtype({at::kFloat, at::kBFloat16, at::kHalf})
+        .shape({T, k}, "[T, top_k] routing weights").contiguous();
+    TORCH_CHECK_VALUE(T <= pr.max_tokens, "megamoe.", kFused, ": hidden has T = ", T,
+                      " tokens, more than max_tokens = ", pr.max_tokens, " of handle ", handle,
+                      "; prepare with a larger max_tokens, or split the batch.");
+
+    const c10::cuda::CUDAGuard guard(p->device);
+    at::Tensor out = at::empty({T, H}, hidden.options());
+    if (T == 0) return out;
+    // int64 ids (torch.topk's) are clamped to [-1, E] first, so that narrowing to int32 cannot
+    // wrap an out-of-range id into a valid one; -1 and E are then counted as invalid.
+    const at::Tensor ids = topk_ids.scalar_type() == at::kInt
+                               ? topk_ids
+                               : topk_ids.clamp(-1, E).to(at::kInt);
+    const at::Tensor weights = topk_weights.to(at::kFloat);
+    const cudaStream_t stream = current_stream(p->device);
+    MoeRunArgs a;
+    a.hidden = static_cast<const uint16_t*>(hidden.const_data_ptr());
+    a.topk_ids = ids.const_data_ptr<int32_t>();
+    a.topk_weights = weights.const_data_ptr<float>();
+    a.tokens = T;
+    a.output = static_cast<uint16_t*>(out.data_ptr());
+    a.workspace = p->workspace.data_ptr();
+    megamoe::run(p->plan, p->weights, a, stream);
+    if (check_ids && !is_capturing(stream)) {
+      const int64_t bad = p->plan.invalid_id_count(a.workspace, stream);
+      TORCH_CHECK_INDEX(bad == 0, "megamoe.", kFused, ": ", bad, " of the ", T * k,
+                        " top-k ids are outside [0, num_experts = ", E,
+                        "); their slots were skipped. Pass ids in range (check_ids=False skips "
+                        "this check and its host synchronisation; under CUDA-graph capture it "
+                        "is always skipped).");
+    }
+    return out;
+  });
+}
+
+at::Tensor fused_moe_nvfp4_cpu(
+    const at::Tensor& hidden, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, int64_t, std::optional<double>, bool, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, bool) {
+  TORCH_CHECK_VALUE(false, "megamoe.", kFused, ": runs on CUDA tensors (a Hopper GPU); hidden "
+                    "and the weights are on ", hidden.device(), ".");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(megamoe, CompositeImplicitAutograd, m) {
+  m.impl("moe_prepare", &moe_prepare);
+  m.impl("moe_release", &moe_release);
+  m.impl("moe_describe", &moe_describe);
+}
+
+TORCH_LIBRARY_IMPL(megamoe, CUDA, m) { m.impl("fused_moe_nvfp4", &fused_moe_nvfp4_cuda); }
+
+TORCH_LIBRARY_IMPL(megamoe, CPU, m) { m.impl("fused_moe_nvfp4", &fused_moe_nvfp4_cpu); }
+
+}  // namespace megamoe::torch_ext

@@ -1,0 +1,59 @@
+// The schemas of the megamoe torch ops: the one place that says what each op takes and returns.
+// Kernels are registered beside their implementations (moe_ops.cpp, routing_ops.cpp,
+// format_ops.cpp, checkpoint_ops.cpp); the fake (meta) kernels that let torch.compile trace the
+// ops are registered from Python (megamoe/_ops.py).
+#include <torch/library.h>
+
+TORCH_LIBRARY(megamoe, m) {
+  // The fused W4A16 MoE layer (DESIGN.md §2) on the stacked engine layout: hidden [T, H] bf16,
+  // w13 u8 [E, 2I, H/2] (rows gate then up), w13_scale f8e4m3 [E, 2I, H/16], w13_scale_2 f32
+  // [E, 2], w2 u8 [E, H, I/2], w2_scale f8e4m3 [E, H, I/16], w2_scale_2 f32 [E], topk_weights
+  // [T, k] (f32/bf16/f16), topk_ids [T, k] (int32/int64) -> [T, H] bf16. `handle` is the prepared
+  // layer (moe_prepare) built from exactly these tensors and options; the shared expert, when
+  // prepared with one, is passed the same way (shared_w13 [2Is, H/2] ... shared_w2_scale_2 [1]).
+  // check_ids: outside CUDA-graph capture, read back the count of ids outside [0, E) and raise
+  // IndexError when there are any (one host synchronisation per call).
+  m.def(
+      "fused_moe_nvfp4(Tensor hidden, Tensor w13, Tensor w13_scale, Tensor w13_scale_2, "
+      "Tensor w2, Tensor w2_scale, Tensor w2_scale_2, Tensor topk_weights, Tensor topk_ids, *, "
+      "int handle, float? swiglu_limit=None, bool deterministic=False, "
+      "Tensor? shared_w13=None, Tensor? shared_w13_scale=None, Tensor? shared_w13_scale_2=None, "
+      "Tensor? shared_w2=None, Tensor? shared_w2_scale=None, Tensor? shared_w2_scale_2=None, "
+      "bool check_ids=True) -> Tensor");
+
+  // Builds the prepared layer of fused_moe_nvfp4 once (plan for max_tokens, prepacked weights,
+  // workspace): copies the stacked tensors to the host, checks every scale, prepacks, uploads and
+  // synchronises. Not for a forward pass. Returns the handle.
+  m.def(
+      "moe_prepare(Tensor w13, Tensor w13_scale, Tensor w13_scale_2, Tensor w2, "
+      "Tensor w2_scale, Tensor w2_scale_2, *, int top_k, int max_tokens, "
+      "float? swiglu_limit=None, bool deterministic=False, "
+      "Tensor? shared_w13=None, Tensor? shared_w13_scale=None, Tensor? shared_w13_scale_2=None, "
+      "Tensor? shared_w2=None, Tensor? shared_w2_scale=None, Tensor? shared_w2_scale_2=None) "
+      "-> int");
+  // Frees a prepared layer after the device has finished the work queued with it.
+  m.def("moe_release(int handle) -> ()");
+  // The prepared layer, its memory and the kernel configuration chosen for `tokens`, as text.
+  m.def("moe_describe(int handle, int tokens) -> str");
+
+  // Router logits [T, E] f32 -> (topk_weights [T, k] f32, topk_ids [T, k] int32), DESIGN.md §2:
+  // method "softmax" (Qwen3, Mixtral) or "noaux_tc" (DeepSeek-V3: sigmoid, groups, bias).
+  m.def(
+      "route(Tensor router_logits, *, int top_k, str method=\"softmax\", bool renormalize=True, "
+      "int n_group=1, int topk_group=1, float routed_scaling_factor=1.0, "
+      "Tensor? e_score_correction_bias=None) -> (Tensor topk_weights, Tensor topk_ids)");
+
+  // ModelOpt NVFP4 weight quantization (DESIGN.md §2), bit for bit: weight [N, K] or [E, N, K]
+  // (f32/bf16/f16) -> (codes u8 [.., N, K/2], scales f8e4m3 [.., N, K/16], weight_scale_2 f32
+  // [] or [E]). Runs on the host (a CUDA input is copied there and the results back).
+  m.def("quantize_nvfp4(Tensor weight) -> (Tensor weight, Tensor weight_scale, Tensor weight_scale_2)");
+  // codes u8 [.., N, K/2], scales f8e4m3/u8 [.., N, K/16], global scale f32 ([] or [1]; [E] for
+  // 3-D) -> bf16 [.., N, K] = bf16(e2m1 * ue4m3 * weight_scale_2). Reads the global scales on
+  // the host.
+  m.def("dequantize_nvfp4(Tensor weight, Tensor weight_scale, Tensor weight_scale_2) -> Tensor");
+
+  // Loads model.layers.{layer}.mlp of the ModelOpt or compressed-tensors checkpoint in `path`
+  // (config.json + safetensors) into stacked CPU tensors, bit for bit. Returns a JSON description
+  // (shapes, routing, tensor names in order) and the tensors.
+  m.def("load_moe_layer(str path, int layer) -> (str, Tensor[])");
+}

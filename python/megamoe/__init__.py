@@ -1,0 +1,16 @@
+"""megamoe: NVFP4 Mixture-of-Experts layers on Hopper GPUs, as PyTorch custom ops.
+
+Ops (``torch.ops.megamoe.*``, traceable by torch.compile, CUDA-graph capturable where noted in
+python/csrc/ops.cpp): ``fused_moe_nvfp4`` (with a layer prepared by ``moe_prepare``), ``route``,
+``quantize_nvfp4``, ``dequantize_nvfp4``, ``load_moe_layer``. The module :class:`NVFP4MoE` wraps
+them as a drop-in MoE block.
+"""
+
+from ._ops import (MoeHandle, dequantize_nvfp4, fused_moe_nvfp4, load_moe_layer, ops,
+                   prepare_moe, quantize_experts, quantize_nvfp4, route)
+from .module import NVFP4MoE
+
+__all__ = [
+    "MoeHandle", "NVFP4MoE", "dequantize_nvfp4", "fused_moe_nvfp4", "load_moe_layer", "ops",
+    "prepare_moe", "quantize_experts", "quantize_nvfp4", "route",
+]

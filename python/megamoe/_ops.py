@@ -1,0 +1,230 @@
+"""The megamoe torch ops: loads the extension library and registers the fake (meta) kernels that
+let torch.compile trace the ops, then wraps the ops that take options in plain functions.
+
+The schemas and their documentation are in python/csrc/ops.cpp; the ops are also callable
+directly as ``torch.ops.megamoe.<name>``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional, Sequence
+
+import torch
+
+_LIBRARY_NAME = "libmegamoe_torch.so"
+
+
+def _library_path() -> str:
+    # MEGAMOE_TORCH_LIBRARY points at a library built outside the package (a CMake build tree).
+    return os.environ.get("MEGAMOE_TORCH_LIBRARY") or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), _LIBRARY_NAME)
+
+
+torch.ops.load_library(_library_path())
+
+ops = torch.ops.megamoe
+
+# Names of the shared-expert arguments of moe_prepare and fused_moe_nvfp4, in order.
+SHARED_EXPERT_ARGS = ("shared_w13", "shared_w13_scale", "shared_w13_scale_2", "shared_w2",
+                      "shared_w2_scale", "shared_w2_scale_2")
+
+
+# ---- fake kernels: output metadata only, for tracing (torch.compile, FakeTensor, meta).
+
+@torch.library.register_fake("megamoe::fused_moe_nvfp4")
+def _fused_moe_nvfp4_fake(hidden, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
+                          topk_weights, topk_ids, *, handle, swiglu_limit=None,
+                          deterministic=False, shared_w13=None, shared_w13_scale=None,
+                          shared_w13_scale_2=None, shared_w2=None, shared_w2_scale=None,
+                          shared_w2_scale_2=None, check_ids=True):
+    torch._check(hidden.dim() == 2, lambda: "megamoe.fused_moe_nvfp4: hidden must be [T, H]")
+    torch._check(hidden.dtype == torch.bfloat16,
+                 lambda: f"megamoe.fused_moe_nvfp4: hidden has dtype {hidden.dtype}; expected bfloat16")
+    return hidden.new_empty(hidden.shape)
+
+
+@torch.library.register_fake("megamoe::route")
+def _route_fake(router_logits, *, top_k, method="softmax", renormalize=True, n_group=1,
+                topk_group=1, routed_scaling_factor=1.0, e_score_correction_bias=None):
+    torch._check(router_logits.dim() == 2, lambda: "megamoe.route: router_logits must be [T, E]")
+    tokens = router_logits.shape[0]
+    return (router_logits.new_empty((tokens, top_k), dtype=torch.float32),
+            router_logits.new_empty((tokens, top_k), dtype=torch.int32))
+
+
+@torch.library.register_fake("megamoe::quantize_nvfp4")
+def _quantize_nvfp4_fake(weight):
+    lead, (n, k) = weight.shape[:-2], weight.shape[-2:]
+    return (weight.new_empty((*lead, n, k // 2), dtype=torch.uint8),
+            weight.new_empty((*lead, n, k // 16), dtype=torch.float8_e4m3fn),
+            weight.new_empty(lead, dtype=torch.float32))
+
+
+@torch.library.register_fake("megamoe::dequantize_nvfp4")
+def _dequantize_nvfp4_fake(weight, weight_scale, weight_scale_2):
+    return weight.new_empty((*weight.shape[:-1], 2 * weight.shape[-1]), dtype=torch.bfloat16)
+
+
+# ---- prepared layers
+
+# Handles whose release was asked for while a CUDA graph was being captured: freeing (which
+# synchronises the device) is not allowed then, so it waits for the next release outside capture.
+_deferred_releases: list[int] = []
+
+
+def _release(handle: int) -> None:
+    _deferred_releases.append(handle)
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return
+    while _deferred_releases:
+        ops.moe_release(_deferred_releases.pop())
+
+
+class MoeHandle:
+    """A prepared MoE layer (plan, prepacked weights, workspace) owned by this object.
+
+    ``int(handle)`` is the id that ``torch.ops.megamoe.fused_moe_nvfp4`` takes; the layer is freed
+    by :meth:`release` or when this object is garbage-collected. Keep it alive as long as any CUDA
+    graph that replays calls with it.
+    """
+
+    def __init__(self, handle: int):
+        self._id: Optional[int] = int(handle)
+
+    def __int__(self) -> int:
+        if self._id is None:
+            raise ValueError("megamoe.MoeHandle: the prepared layer was released")
+        return self._id
+
+    def describe(self, tokens: int = 1) -> str:
+        """The layer, its device memory, and the kernel configuration chosen for ``tokens``."""
+        return ops.moe_describe(int(self), int(tokens))
+
+    def release(self) -> None:
+        if self._id is not None:
+            handle, self._id = self._id, None
+            _release(handle)
+
+    def __del__(self):
+        # At interpreter exit the op library may already be gone; nothing is left to free then.
+        try:
+            self.release()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"MoeHandle({self._id if self._id is not None else 'released'})"
+
+
+def _shared_kwargs(shared_expert: Optional[Sequence[torch.Tensor]]) -> dict:
+    if shared_expert is None:
+        return {}
+    if len(shared_expert) != len(SHARED_EXPERT_ARGS):
+        raise ValueError(
+            f"megamoe: shared_expert must hold the {len(SHARED_EXPERT_ARGS)} tensors "
+            f"({', '.join(SHARED_EXPERT_ARGS)}); got {len(shared_expert)}")
+    return dict(zip(SHARED_EXPERT_ARGS, shared_expert))
+
+
+def prepare_moe(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, *, top_k: int,
+                max_tokens: int, swiglu_limit: Optional[float] = None, deterministic: bool = False,
+                shared_expert: Optional[Sequence[torch.Tensor]] = None) -> MoeHandle:
+    """Prepares the stacked NVFP4 weights (CUDA tensors) for :func:`fused_moe_nvfp4`.
+
+    A one-time load step: copies the weights to the host, checks every scale, prepacks them for
+    the kernels, uploads the copy and sizes the workspace for ``max_tokens`` tokens. The device
+    holds the prepacked copy beside the stacked tensors. ``shared_expert`` is
+    ``(shared_w13, shared_w13_scale, shared_w13_scale_2, shared_w2, shared_w2_scale,
+    shared_w2_scale_2)`` or None.
+    """
+    return MoeHandle(ops.moe_prepare(
+        w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, top_k=int(top_k),
+        max_tokens=int(max_tokens), swiglu_limit=swiglu_limit, deterministic=deterministic,
+        **_shared_kwargs(shared_expert)))
+
+
+def fused_moe_nvfp4(hidden, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights,
+                    topk_ids, *, handle, swiglu_limit: Optional[float] = None,
+                    deterministic: bool = False,
+                    shared_expert: Optional[Sequence[torch.Tensor]] = None,
+                    check_ids: bool = True) -> torch.Tensor:
+    """The fused NVFP4 MoE layer: hidden [T, H] bf16 -> [T, H] bf16 (see ops.cpp for shapes).
+
+    ``handle`` (a :class:`MoeHandle` or its int) must come from :func:`prepare_moe` on exactly
+    these tensors and options. With ``check_ids``, outside CUDA-graph capture, ids outside
+    [0, E) raise IndexError (at the cost of one host synchronisation per call).
+    """
+    return ops.fused_moe_nvfp4(
+        hidden, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids,
+        handle=int(handle), swiglu_limit=swiglu_limit, deterministic=deterministic,
+        check_ids=check_ids, **_shared_kwargs(shared_expert))
+
+
+def route(router_logits: torch.Tensor, *, top_k: int, method: str = "softmax",
+          renormalize: bool = True, n_group: int = 1, topk_group: int = 1,
+          routed_scaling_factor: float = 1.0,
+          e_score_correction_bias: Optional[torch.Tensor] = None):
+    """Router logits [T, E] fp32 -> (topk_weights [T, k] fp32, topk_ids [T, k] int32).
+
+    ``method`` "softmax" (Qwen3, Mixtral) or "noaux_tc" (DeepSeek-V3). Ties go to the lower
+    expert index; rows list experts by selection score, descending.
+    """
+    return ops.route(router_logits, top_k=top_k, method=method, renormalize=renormalize,
+                     n_group=n_group, topk_group=topk_group,
+                     routed_scaling_factor=routed_scaling_factor,
+                     e_score_correction_bias=e_score_correction_bias)
+
+
+def quantize_nvfp4(weight: torch.Tensor):
+    """ModelOpt NVFP4 quantization, bit for bit: [.., N, K] -> (codes, block scales, global)."""
+    return ops.quantize_nvfp4(weight)
+
+
+def dequantize_nvfp4(weight: torch.Tensor, weight_scale: torch.Tensor,
+                     weight_scale_2) -> torch.Tensor:
+    """NVFP4 -> bf16 [.., N, K]; ``weight_scale_2`` a tensor ([] / [1], or [E]) or a float."""
+    if not isinstance(weight_scale_2, torch.Tensor):
+        weight_scale_2 = torch.tensor(float(weight_scale_2), dtype=torch.float32)
+    return ops.dequantize_nvfp4(weight, weight_scale, weight_scale_2)
+
+
+def quantize_experts(gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> dict:
+    """Stacked NVFP4 expert weights from unquantized ones, with the ModelOpt recipe.
+
+    ``gate_up_proj`` [E, 2I, H] (rows gate then up, the transformers layout) and ``down_proj``
+    [E, H, I]; or one expert (a shared expert) as [2I, H] and [H, I]. Gate and up are quantized
+    as the separate linears a ModelOpt checkpoint holds, each with its own global scale. Returns
+    w13, w13_scale, w13_scale_2 ([E, 2] or [2]), w2, w2_scale, w2_scale_2 ([E] or [1]).
+    """
+    if gate_up_proj.dim() not in (2, 3) or gate_up_proj.shape[-2] % 2:
+        raise ValueError(f"megamoe.quantize_experts: gate_up_proj has shape "
+                         f"{tuple(gate_up_proj.shape)}; expected [E, 2I, H] or [2I, H]")
+    inter = gate_up_proj.shape[-2] // 2
+    gate_codes, gate_scales, gate_global = ops.quantize_nvfp4(
+        gate_up_proj[..., :inter, :].contiguous())
+    up_codes, up_scales, up_global = ops.quantize_nvfp4(gate_up_proj[..., inter:, :].contiguous())
+    w2, w2_scale, w2_scale_2 = ops.quantize_nvfp4(down_proj.contiguous())
+    # float8 tensors are concatenated as their bytes (cat need not support float8 everywhere).
+    scales = [gate_scales.view(torch.uint8), up_scales.view(torch.uint8)]
+    return {
+        "w13": torch.cat([gate_codes, up_codes], dim=-2),
+        "w13_scale": torch.cat(scales, dim=-2).view(torch.float8_e4m3fn),
+        "w13_scale_2": torch.stack([gate_global, up_global], dim=-1),
+        "w2": w2,
+        "w2_scale": w2_scale,
+        "w2_scale_2": w2_scale_2.reshape(-1),
+    }
+
+
+def load_moe_layer(path, layer: int):
+    """model.layers.{layer}.mlp of a ModelOpt / compressed-tensors checkpoint directory, stacked.
+
+    Returns ``(description, tensors)``: a dict (shapes, routing, swiglu_limit, format) and a dict
+    of CPU tensors named as :class:`NVFP4MoE`'s buffers, with the checkpoint's bits.
+    """
+    import json
+
+    text, tensors = ops.load_moe_layer(os.fspath(path), int(layer))
+    description = json.loads(text)
+    return description, dict(zip(description["tensors"], tensors))

@@ -1,0 +1,315 @@
+"""NVFP4MoE: a MoE layer (router + experts) running the fused NVFP4 kernels of megamoe."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import _ops
+
+_METHODS = ("softmax", "noaux_tc")
+
+
+class NVFP4MoE(torch.nn.Module):
+    """A Mixture-of-Experts layer whose experts are NVFP4 (W4A16 on Hopper, DESIGN.md §2).
+
+    The weights are buffers in the stacked engine layout, with the checkpoint's bits:
+    ``w13`` uint8 [E, 2I, H/2] (rows gate then up), ``w13_scale`` float8_e4m3fn [E, 2I, H/16],
+    ``w13_scale_2`` f32 [E, 2], ``w2`` uint8 [E, H, I/2], ``w2_scale`` [E, H, I/16],
+    ``w2_scale_2`` f32 [E]; the optional shared expert as ``shared_w13`` [2Is, H/2] ...
+    ``shared_w2_scale_2`` [1]; the router as ``router_weight`` f32 [E, H] and, for noaux_tc,
+    ``e_score_correction_bias`` f32 [E].
+
+    Calls:
+      ``forward(hidden)``: routes with the layer's router (fp32 logits);
+      ``forward(hidden, router_logits)``: routes the given logits [.., E];
+      ``forward(hidden, topk_weights, topk_ids)``: uses the given routing [.., top_k].
+    ``hidden`` is bf16 [.., H]; the result has its shape.
+
+    The kernels run on a prepared copy of the weights (:meth:`prepare`, made on the first eager
+    forward if not before): prepare before ``torch.compile`` or CUDA-graph capture. Moving the
+    module, or loading a state dict, releases the prepared copy (re-made on the next forward).
+    Dtype casts (``.to(torch.bfloat16)``, ``.half()``) leave the NVFP4 buffers as they are.
+    Batches larger than ``max_tokens`` run in chunks of ``max_tokens``.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
+                 *, shared_intermediate_size: int = 0, method: str = "softmax",
+                 renormalize: bool = True, n_group: int = 1, topk_group: int = 1,
+                 routed_scaling_factor: float = 1.0, swiglu_limit: Optional[float] = None,
+                 has_router: bool = True, max_tokens: int = 4096, deterministic: bool = False,
+                 check_ids: bool = True, device=None):
+        super().__init__()
+        if method not in _METHODS:
+            raise ValueError(f"NVFP4MoE: method {method!r} is not supported; allowed: {_METHODS}")
+        for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
+            if value < 16 or value % 16:
+                raise ValueError(f"NVFP4MoE: {name} = {value}; it must be a positive multiple "
+                                 "of 16 (the kernels need multiples of 64)")
+        if shared_intermediate_size < 0 or shared_intermediate_size % 16:
+            raise ValueError(f"NVFP4MoE: shared_intermediate_size = {shared_intermediate_size}; "
+                             "it must be 0 or a positive multiple of 16")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"NVFP4MoE: top_k = {top_k} must be in [1, num_experts = "
+                             f"{num_experts}]")
+        if max_tokens < 1:
+            raise ValueError(f"NVFP4MoE: max_tokens = {max_tokens} must be >= 1")
+        self.hidden_size = int(hidden_size)
+        self.intermediate_size = int(intermediate_size)
+        self.num_experts = int(num_experts)
+        self.top_k = int(top_k)
+        self.shared_intermediate_size = int(shared_intermediate_size)
+        self.method = method
+        self.renormalize = bool(renormalize)
+        self.n_group = int(n_group)
+        self.topk_group = int(topk_group)
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.swiglu_limit = None if swiglu_limit is None else float(swiglu_limit)
+        self.max_tokens = int(max_tokens)
+        self.deterministic = bool(deterministic)
+        self.check_ids = bool(check_ids)
+        self.has_router = bool(has_router)
+
+        H, I, E, Is = self.hidden_size, self.intermediate_size, self.num_experts, shared_intermediate_size
+        f8 = torch.float8_e4m3fn
+
+        def buffer(name, shape, dtype):
+            self.register_buffer(name, torch.empty(shape, dtype=dtype, device=device))
+
+        buffer("w13", (E, 2 * I, H // 2), torch.uint8)
+        buffer("w13_scale", (E, 2 * I, H // 16), f8)
+        buffer("w13_scale_2", (E, 2), torch.float32)
+        buffer("w2", (E, H, I // 2), torch.uint8)
+        buffer("w2_scale", (E, H, I // 16), f8)
+        buffer("w2_scale_2", (E,), torch.float32)
+        if Is:
+            buffer("shared_w13", (2 * Is, H // 2), torch.uint8)
+            buffer("shared_w13_scale", (2 * Is, H // 16), f8)
+            buffer("shared_w13_scale_2", (2,), torch.float32)
+            buffer("shared_w2", (H, Is // 2), torch.uint8)
+            buffer("shared_w2_scale", (H, Is // 16), f8)
+            buffer("shared_w2_scale_2", (1,), torch.float32)
+        if has_router:
+            buffer("router_weight", (E, H), torch.float32)
+        if method == "noaux_tc":
+            buffer("e_score_correction_bias", (E,), torch.float32)
+
+        self._handle: Optional[_ops.MoeHandle] = None
+        self._handle_id = -1  # what forward passes to the op: an int torch.compile treats as a constant
+        self.register_load_state_dict_post_hook(NVFP4MoE._release_after_load)
+
+    @staticmethod
+    def _release_after_load(module: "NVFP4MoE", incompatible_keys) -> None:
+        module.release()  # the loaded bytes replace the ones the prepared copy was made from
+
+    # ---- construction
+
+    @classmethod
+    def from_checkpoint(cls, path, layer: int, *, device="cuda", max_tokens: int = 4096,
+                        deterministic: bool = False, check_ids: bool = True) -> "NVFP4MoE":
+        """Loads model.layers.{layer}.mlp of a ModelOpt or compressed-tensors NVFP4 checkpoint.
+
+        ``path`` is the model directory (config.json, safetensors files). The codes and block
+        scales are the checkpoint's bits; global scales its values (compressed-tensors'
+        reciprocal is inverted once, in fp32). On a CUDA ``device`` the layer is also prepared.
+        """
+        desc, tensors = _ops.load_moe_layer(os.fspath(path), layer)
+        r = desc["routing"]
+        module = cls(desc["hidden_size"], desc["intermediate_size"], desc["num_experts"],
+                     r["top_k"], shared_intermediate_size=desc["shared_intermediate_size"],
+                     method=r["method"], renormalize=r["renormalize"], n_group=r["n_group"],
+                     topk_group=r["topk_group"],
+                     routed_scaling_factor=r["routed_scaling_factor"],
+                     swiglu_limit=desc["swiglu_limit"], has_router="router_weight" in tensors,
+                     max_tokens=max_tokens, deterministic=deterministic, check_ids=check_ids,
+                     device="meta")
+        module._assign(tensors)
+        module.checkpoint_description = desc
+        return module._placed(device)
+
+    @classmethod
+    def from_tensors(cls, tensors: dict, top_k: int, *, device="cuda", **options) -> "NVFP4MoE":
+        """A layer from stacked NVFP4 tensors named as this module's buffers (see the class
+        docstring): w13 ... w2_scale_2, optionally shared_*, router_weight and, for
+        ``method="noaux_tc"``, e_score_correction_bias. Sizes come from the tensors' shapes;
+        ``options`` as for the constructor. On a CUDA ``device`` the layer is also prepared.
+        """
+        E, two_i, half_h = tensors["w13"].shape
+        shared = tensors.get("shared_w13")
+        module = cls(2 * half_h, two_i // 2, E, top_k,
+                     shared_intermediate_size=0 if shared is None else shared.shape[0] // 2,
+                     has_router="router_weight" in tensors, device="meta", **options)
+        module._assign(tensors)
+        return module._placed(device)
+
+    @classmethod
+    def from_float(cls, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, *,
+                   router_weight: Optional[torch.Tensor] = None,
+                   e_score_correction_bias: Optional[torch.Tensor] = None,
+                   shared_gate_up_proj: Optional[torch.Tensor] = None,
+                   shared_down_proj: Optional[torch.Tensor] = None, device="cuda",
+                   **options) -> "NVFP4MoE":
+        """Quantizes unquantized experts (ModelOpt recipe, :func:`megamoe.quantize_experts`).
+
+        ``gate_up_proj`` [E, 2I, H] rows gate then up, ``down_proj`` [E, H, I] (the transformers
+        layout); the shared expert as [2Is, H] and [H, Is]; ``options`` as for the constructor.
+        """
+        tensors = _ops.quantize_experts(gate_up_proj, down_proj)
+        if shared_gate_up_proj is not None:
+            shared = _ops.quantize_experts(shared_gate_up_proj, shared_down_proj)
+            tensors.update({"shared_" + name: t for name, t in shared.items()})
+        if router_weight is not None:
+            tensors["router_weight"] = router_weight.float()
+        if e_score_correction_bias is not None:
+            tensors["e_score_correction_bias"] = e_score_correction_bias.float()
+        return cls.from_tensors(tensors, top_k, device=device, **options)
+
+    def _assign(self, tensors: dict) -> None:
+        unknown = set(tensors) - {name for name, _ in self.named_buffers()}
+        if unknown:
+            raise ValueError(f"NVFP4MoE: unexpected tensors {sorted(unknown)}")
+        for name, buf in self.named_buffers():
+            if name not in tensors:
+                raise ValueError(f"NVFP4MoE: no tensor for buffer {name!r}")
+            t = tensors[name]
+            if t.shape != buf.shape or t.dtype != buf.dtype:
+                raise ValueError(f"NVFP4MoE: {name} has shape {tuple(t.shape)} and dtype {t.dtype}; "
+                                 f"expected {tuple(buf.shape)} and {buf.dtype}")
+            setattr(self, name, t.cpu().contiguous())
+
+    def _placed(self, device) -> "NVFP4MoE":
+        self.to(device)
+        if torch.device(device).type == "cuda":
+            self.prepare()
+        return self
+
+    # ---- the prepared copy
+
+    def prepare(self, max_tokens: Optional[int] = None) -> "NVFP4MoE":
+        """(Re)builds the prepared copy of the weights the kernels run on (CUDA weights only).
+
+        A one-time load step (host copy, scale checks, prepack, upload): call it after loading
+        or changing weights and before torch.compile or CUDA-graph capture.
+        """
+        if max_tokens is not None:
+            if max_tokens < 1:
+                raise ValueError(f"NVFP4MoE.prepare: max_tokens = {max_tokens} must be >= 1")
+            self.max_tokens = int(max_tokens)
+        self.release()
+        if self.w13.device.type != "cuda":
+            raise ValueError(f"NVFP4MoE.prepare: the weights are on {self.w13.device}; move the "
+                             "module to a CUDA device first (module.cuda())")
+        self._handle = _ops.prepare_moe(
+            *self._expert_tensors(), top_k=self.top_k, max_tokens=self.max_tokens,
+            swiglu_limit=self.swiglu_limit, deterministic=self.deterministic,
+            shared_expert=self._shared_tensors())
+        self._handle_id = int(self._handle)
+        return self
+
+    def release(self) -> None:
+        """Frees the prepared copy (the next forward makes a new one)."""
+        if self._handle is not None:
+            self._handle.release()
+        self._handle, self._handle_id = None, -1
+
+    def describe(self, tokens: int = 1) -> str:
+        """The prepared layer, its memory, and the kernel configuration for ``tokens``."""
+        if self._handle is None:
+            return f"{type(self).__name__} (not prepared)"
+        return self._handle.describe(tokens)
+
+    def _apply(self, fn, recurse=True):
+        # Device moves apply; dtype casts do not (the NVFP4 buffers have fixed dtypes). Any
+        # move invalidates the prepared copy, which points at the old tensors.
+        self.release()
+
+        def keep_dtype(t):
+            moved = fn(t)
+            return moved if moved.dtype == t.dtype else t.to(moved.device)
+
+        return super()._apply(keep_dtype, recurse)
+
+    def _expert_tensors(self):
+        return (self.w13, self.w13_scale, self.w13_scale_2, self.w2, self.w2_scale,
+                self.w2_scale_2)
+
+    def _shared_tensors(self):
+        if not self.shared_intermediate_size:
+            return None
+        return tuple(getattr(self, name) for name in _ops.SHARED_EXPERT_ARGS)
+
+    # ---- forward
+
+    def router_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [T, E] of hidden [T, H] with the layer's router weight."""
+        if not self.has_router:
+            raise ValueError("NVFP4MoE: this layer has no router weight; pass router_logits or "
+                             "(topk_weights, topk_ids) to forward")
+        return F.linear(hidden.float(), self.router_weight)
+
+    def route(self, router_logits: torch.Tensor):
+        """(topk_weights [T, k] fp32, topk_ids [T, k] int32) of logits [T, E], on the GPU."""
+        return _ops.ops.route(
+            router_logits.float().contiguous(), top_k=self.top_k, method=self.method,
+            renormalize=self.renormalize, n_group=self.n_group, topk_group=self.topk_group,
+            routed_scaling_factor=self.routed_scaling_factor,
+            e_score_correction_bias=self.e_score_correction_bias if self.method == "noaux_tc" else None)
+
+    def forward(self, hidden: torch.Tensor, *routing: torch.Tensor) -> torch.Tensor:
+        if len(routing) > 2:
+            raise TypeError("NVFP4MoE.forward takes (hidden), (hidden, router_logits) or "
+                            f"(hidden, topk_weights, topk_ids); got {1 + len(routing)} tensors")
+        if hidden.shape[-1] != self.hidden_size:
+            raise ValueError(f"NVFP4MoE: hidden has shape {tuple(hidden.shape)}; the last "
+                             f"dimension must be hidden_size = {self.hidden_size}")
+        x = hidden.reshape(-1, self.hidden_size).contiguous()
+        if len(routing) == 2:
+            topk_weights, topk_ids = (t.reshape(-1, self.top_k).contiguous() for t in routing)
+        else:
+            logits = routing[0].reshape(-1, self.num_experts) if routing else self.router_logits(x)
+            topk_weights, topk_ids = self.route(logits)
+        handle = self._prepared_handle()
+        m = self.max_tokens
+        if x.shape[0] <= m:
+            out = self._experts(x, topk_weights, topk_ids, handle)
+        else:
+            out = torch.cat([self._experts(x[i:i + m], topk_weights[i:i + m], topk_ids[i:i + m],
+                                           handle) for i in range(0, x.shape[0], m)])
+        return out.reshape(hidden.shape)
+
+    def _prepared_handle(self) -> int:
+        if self._handle_id < 0:
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            if torch.compiler.is_compiling() or capturing:
+                raise RuntimeError(
+                    "NVFP4MoE: the layer is not prepared; call prepare() (or run one eager "
+                    "forward) before torch.compile or CUDA-graph capture: preparing copies and "
+                    "prepacks the weights, which can be neither traced nor captured")
+            self.prepare()
+        return self._handle_id
+
+    def _experts(self, x, topk_weights, topk_ids, handle: int) -> torch.Tensor:
+        shared = self._shared_tensors()
+        return _ops.ops.fused_moe_nvfp4(
+            x, *self._expert_tensors(), topk_weights, topk_ids, handle=handle,
+            swiglu_limit=self.swiglu_limit, deterministic=self.deterministic,
+            check_ids=self.check_ids,
+            **({} if shared is None else dict(zip(_ops.SHARED_EXPERT_ARGS, shared))))
+
+    def extra_repr(self) -> str:
+        parts = [f"hidden_size={self.hidden_size}", f"intermediate_size={self.intermediate_size}",
+                 f"num_experts={self.num_experts}", f"top_k={self.top_k}"]
+        if self.shared_intermediate_size:
+            parts.append(f"shared_intermediate_size={self.shared_intermediate_size}")
+        parts.append(f"method={self.method}")
+        if self.method == "noaux_tc":
+            parts.append(f"n_group={self.n_group}, topk_group={self.topk_group}")
+        if self.routed_scaling_factor != 1.0:
+            parts.append(f"routed_scaling_factor={self.routed_scaling_factor}")
+        if self.swiglu_limit is not None:
+            parts.append(f"swiglu_limit={self.swiglu_limit}")
+        parts.append(f"max_tokens={self.max_tokens}, prepared={self._handle is not None}")
+        return ", ".join(parts)

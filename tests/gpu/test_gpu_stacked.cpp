@@ -1,0 +1,250 @@
+// MoeDeviceWeights::from_stacked (the engine layout already on the device) against upload() of
+// the same layer: the same prepacked weights, so deterministic runs are bitwise identical. Also
+// every rejection: bad block scales, bad global scales, null pointers, bad shapes.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "megamoe/reference.h"
+#include "megamoe/runtime.h"
+#include "megamoe/status.h"
+#include "moe_test_util.h"
+
+namespace megamoe {
+namespace {
+
+using testing::DeviceBuffer;
+
+unsigned fresh_seed() { return std::random_device{}(); }
+
+// A layer's tensors in the stacked layout, on the host: w13 = [gate rows; up rows] per expert.
+struct HostStacked {
+  std::vector<uint8_t> w13, w13_scale, w2, w2_scale;
+  std::vector<float> w13_scale_2, w2_scale_2;
+  std::vector<uint8_t> s_w13, s_w13_scale, s_w2, s_w2_scale;
+  std::vector<float> s_w13_scale_2, s_w2_scale_2;
+};
+
+void append(std::vector<uint8_t>& dst, const uint8_t* src, int64_t bytes) {
+  dst.insert(dst.end(), src, src + bytes);
+}
+
+void append_expert(const ExpertWeights& x, int64_t H, std::vector<uint8_t>& w13,
+                   std::vector<uint8_t>& w13_scale, std::vector<uint8_t>& w2,
+                   std::vector<uint8_t>& w2_scale) {
+  const int64_t I = x.intermediate_size();
+  append(w13, x.gate.weight, I * H / 2);
+  append(w13, x.up.weight, I * H / 2);
+  append(w13_scale, x.gate.weight_scale, I * H / 16);
+  append(w13_scale, x.up.weight_scale, I * H / 16);
+  append(w2, x.down.weight, H * I / 2);
+  append(w2_scale, x.down.weight_scale, H * I / 16);
+}
+
+HostStacked stack(const MoeLayer& layer) {
+  HostStacked s;
+  const int64_t H = layer.hidden_size;
+  for (const ExpertWeights& x : layer.experts) {
+    append_expert(x, H, s.w13, s.w13_scale, s.w2, s.w2_scale);
+    s.w13_scale_2.push_back(x.gate.weight_scale_2);
+    s.w13_scale_2.push_back(x.up.weight_scale_2);
+    s.w2_scale_2.push_back(x.down.weight_scale_2);
+  }
+  if (layer.shared_expert) {
+    const ExpertWeights& x = *layer.shared_expert;
+    append_expert(x, H, s.s_w13, s.s_w13_scale, s.s_w2, s.s_w2_scale);
+    s.s_w13_scale_2 = {x.gate.weight_scale_2, x.up.weight_scale_2};
+    s.s_w2_scale_2 = {x.down.weight_scale_2};
+  }
+  return s;
+}
+
+// DeviceBuffer uploads what it is given: one dummy element stands for an absent shared expert.
+template <typename T>
+std::vector<T> nonempty(const std::vector<T>& v) {
+  return v.empty() ? std::vector<T>(1) : v;
+}
+
+// The host tensors uploaded, and the StackedNvfp4Weights view of them.
+struct DeviceStacked {
+  explicit DeviceStacked(const MoeLayer& layer, const HostStacked& h)
+      : w13(h.w13), w13_scale(h.w13_scale), w2(h.w2), w2_scale(h.w2_scale),
+        w13_scale_2(h.w13_scale_2), w2_scale_2(h.w2_scale_2), s_w13(nonempty(h.s_w13)),
+        s_w13_scale(nonempty(h.s_w13_scale)), s_w2(nonempty(h.s_w2)),
+        s_w2_scale(nonempty(h.s_w2_scale)), s_w13_scale_2(nonempty(h.s_w13_scale_2)),
+        s_w2_scale_2(nonempty(h.s_w2_scale_2)) {
+    view.hidden_size = layer.hidden_size;
+    view.intermediate_size = layer.intermediate_size;
+    view.num_experts = layer.num_experts;
+    view.w13 = w13.get();
+    view.w13_scale = w13_scale.get();
+    view.w13_scale_2 = w13_scale_2.get();
+    view.w2 = w2.get();
+    view.w2_scale = w2_scale.get();
+    view.w2_scale_2 = w2_scale_2.get();
+    if (layer.shared_expert) {
+      view.shared_intermediate_size = layer.shared_expert->intermediate_size();
+      view.shared_w13 = s_w13.get();
+      view.shared_w13_scale = s_w13_scale.get();
+      view.shared_w13_scale_2 = s_w13_scale_2.get();
+      view.shared_w2 = s_w2.get();
+      view.shared_w2_scale = s_w2_scale.get();
+      view.shared_w2_scale_2 = s_w2_scale_2.get();
+    }
+  }
+  DeviceBuffer<uint8_t> w13, w13_scale, w2, w2_scale;
+  DeviceBuffer<float> w13_scale_2, w2_scale_2;
+  DeviceBuffer<uint8_t> s_w13, s_w13_scale, s_w2, s_w2_scale;
+  DeviceBuffer<float> s_w13_scale_2, s_w2_scale_2;
+  StackedNvfp4Weights view;
+};
+
+std::vector<uint16_t> run_layer(const MoePlan& plan, const MoeDeviceWeights& weights,
+                                const std::vector<uint16_t>& hidden, const reference::TopK& topk) {
+  const int64_t T = topk.tokens, H = plan.problem().hidden_size;
+  DeviceBuffer<uint16_t> d_hidden(hidden), d_out(static_cast<size_t>(T * H));
+  DeviceBuffer<int32_t> d_ids(topk.ids);
+  DeviceBuffer<float> d_weights(topk.weights);
+  DeviceBuffer<uint8_t> workspace(plan.workspace_bytes());
+  d_out.poison();
+  const MoeRunArgs args{d_hidden.get(), d_ids.get(), d_weights.get(), T, d_out.get(), workspace.get()};
+  run(plan, weights, args, nullptr);
+  gpu::check_cuda(cudaStreamSynchronize(nullptr), "run");
+  return d_out.download();
+}
+
+void check_same_as_upload(int64_t H, int64_t I, int64_t E, int k, int64_t shared_I, int64_t T) {
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "H=" << H << " I=" << I << " E=" << E << " k=" << k
+                                    << " shared_I=" << shared_I << " T=" << T << " seed=" << seed);
+  std::mt19937 rng(seed);
+  const MoeLayer layer = testing::random_layer(rng, H, I, E, k, shared_I);
+  const HostStacked host = stack(layer);
+  const DeviceStacked dev(layer, host);
+  MoeProblem problem = MoeProblem::from_layer(layer, T);
+  problem.deterministic = true;
+  const MoePlan plan = MoePlan::create(problem);
+  const MoeDeviceWeights from_stacked = MoeDeviceWeights::from_stacked(dev.view);
+  const MoeDeviceWeights uploaded = MoeDeviceWeights::upload(layer);
+  EXPECT_EQ(from_stacked.device_bytes(), uploaded.device_bytes());
+
+  const auto hidden = testing::random_hidden(rng, T, H);
+  const auto topk = testing::random_topk(rng, T, E, k);
+  const auto got = run_layer(plan, from_stacked, hidden, topk);
+  const auto want = run_layer(plan, uploaded, hidden, topk);
+  ASSERT_EQ(got.size(), want.size());
+  int64_t differ = 0;
+  for (size_t i = 0; i < got.size(); ++i) differ += got[i] != want[i];
+  EXPECT_EQ(differ, 0) << "outputs that differ from the upload() path (of " << got.size() << ")";
+  const auto stats = testing::compare(got, reference::moe_forward_f32(layer, hidden, T, topk));
+  EXPECT_EQ(stats.nans, 0);
+  EXPECT_LE(stats.rel_l2, 2e-3);
+}
+
+TEST(GpuStackedWeights, SameAsUploadWithoutSharedExpert) {
+  MEGAMOE_REQUIRE_GPU();
+  check_same_as_upload(256, 128, 8, 2, 0, 37);
+}
+
+TEST(GpuStackedWeights, SameAsUploadWithSharedExpert) {
+  MEGAMOE_REQUIRE_GPU();
+  check_same_as_upload(512, 128, 6, 3, 256, 70);
+}
+
+TEST(GpuStackedWeights, SameAsUploadWithMoreExpertsThanCores) {
+  MEGAMOE_REQUIRE_GPU();
+  check_same_as_upload(128, 64, 64, 4, 64, 200);  // prepack batches of experts
+}
+
+// from_stacked on a copy of `host` with one value changed by `mutate`; expects kInvalidArgument
+// with `expected` in the message.
+template <typename Mutate>
+void expect_rejected(const MoeLayer& layer, const HostStacked& host, Mutate mutate,
+                     const std::string& expected) {
+  HostStacked bad = host;
+  mutate(bad);
+  const DeviceStacked dev(layer, bad);
+  try {
+    MoeDeviceWeights::from_stacked(dev.view);
+    ADD_FAILURE() << "no error; expected one mentioning '" << expected << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+  }
+}
+
+TEST(GpuStackedWeights, RejectsBadScalesNamingTheElement) {
+  MEGAMOE_REQUIRE_GPU();
+  std::mt19937 rng(fresh_seed());
+  const int64_t H = 128, I = 64, E = 4, Is = 64;
+  const MoeLayer layer = testing::random_layer(rng, H, I, E, 2, Is);
+  const HostStacked host = stack(layer);
+  // w13_scale [E, 2I, H/16]: element [1, 5, 2].
+  expect_rejected(layer, host, [&](HostStacked& s) { s.w13_scale[(1 * 2 * I + 5) * (H / 16) + 2] = 0x7F; },
+                  "w13_scale[1, 5, 2] is the block scale 0x7F, which is NaN");
+  // w2_scale [E, H, I/16]: element [3, 100, 1], negative.
+  expect_rejected(layer, host, [&](HostStacked& s) { s.w2_scale[(3 * H + 100) * (I / 16) + 1] = 0xB8; },
+                  "w2_scale[3, 100, 1] is the block scale 0xB8, which is negative");
+  expect_rejected(layer, host, [&](HostStacked& s) { s.s_w13_scale[7] = 0xFF; },
+                  "shared_w13_scale[0, 7]");
+  expect_rejected(layer, host, [&](HostStacked& s) { s.s_w2_scale[H * (Is / 16) - 1] = 0x80 | 0x11; },
+                  "shared_w2_scale[127, 3]");
+  expect_rejected(layer, host, [&](HostStacked& s) { s.w13_scale_2[2 * 2 + 1] = 0.0f; },
+                  "w13_scale_2[2, 1] (up of expert 2) is 0");
+  expect_rejected(layer, host, [&](HostStacked& s) { s.w2_scale_2[0] = INFINITY; },
+                  "w2_scale_2[0] (down of expert 0) is inf");
+  expect_rejected(layer, host, [&](HostStacked& s) { s.s_w2_scale_2[0] = -1.0f; },
+                  "shared_w2_scale_2 (shared down) is -1");
+  expect_rejected(layer, host, [&](HostStacked& s) { s.s_w13_scale_2[0] = NAN; },
+                  "shared_w13_scale_2[0] (shared gate)");
+}
+
+TEST(GpuStackedWeights, RejectsNullPointersAndBadShapes) {
+  MEGAMOE_REQUIRE_GPU();
+  std::mt19937 rng(fresh_seed());
+  const MoeLayer layer = testing::random_layer(rng, 128, 64, 2, 1, 64);
+  const HostStacked host = stack(layer);
+  const DeviceStacked dev(layer, host);
+  auto expect_error = [](StackedNvfp4Weights w, const std::string& expected) {
+    try {
+      MoeDeviceWeights::from_stacked(w);
+      ADD_FAILURE() << "no error; expected one mentioning '" << expected << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  };
+  StackedNvfp4Weights w = dev.view;
+  w.w2 = nullptr;
+  expect_error(w, "w2 is a null device pointer");
+  w = dev.view;
+  w.shared_w2_scale_2 = nullptr;
+  expect_error(w, "shared_w2_scale_2 is a null device pointer");
+  w = dev.view;
+  w.hidden_size = 120;  // not a multiple of 16
+  expect_error(w, "hidden_size 120");
+  w = dev.view;
+  w.num_experts = 0;
+  expect_error(w, "num_experts 0");
+  w = dev.view;
+  w.shared_intermediate_size = 40;
+  expect_error(w, "shared_intermediate_size 40");
+  w = dev.view;
+  w.hidden_size = 32;  // a multiple of 16 but not of 64: the kernels' limit, from upload()
+  w.intermediate_size = 32;
+  w.shared_intermediate_size = 0;
+  try {
+    MoeDeviceWeights::from_stacked(w);
+    ADD_FAILURE() << "no error for H = 32";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("multiple of 64"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace megamoe
