@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "megamoe/checkpoint.h"
+#include "megamoe/gpu.h"
 #include "megamoe/dtype.h"
 #include "megamoe/format.h"
 #include "megamoe/presets.h"
@@ -496,6 +497,50 @@ TEST_F(ToolSynth, InspectFindsFormatAndLayer) {
     EXPECT_GT(subnormal, 0) << "synthetic layers carry some subnormal block scales";
     EXPECT_EQ(s["block_scales"]["invalid"], 0);
   }
+}
+
+// `megamoe run` (GPU) against `megamoe reference` (CPU) on the same checkpoint and inputs. Needs a
+// Hopper GPU; skipped (visibly) elsewhere.
+TEST_F(ToolSynth, RunOnGpuMatchesReference) {
+  if (megamoe::gpu::device_count() == 0) {
+    GTEST_SKIP() << "no CUDA device: `megamoe run` test skipped (run it on the GPU machine)";
+  }
+  ASSERT_NO_FATAL_FAILURE(synth());
+  std::mt19937_64 rng(seed_);
+  SCOPED_TRACE(testing::Message() << "seed " << seed_);
+  const int64_t T = 37;
+  const std::vector<uint16_t> hidden = random_hidden(rng, T);
+  const fs::path x = dir_ / "x.safetensors";
+  write_file(x, {{{"hidden", DType::BF16, {T, 2048}}, to_bytes(hidden)}});  // routed by the layer
+  const std::string args = " --checkpoint " + q(ckpt_) + " --layer 0 --input " + q(x) + " --output ";
+  const fs::path y_ref = dir_ / "ref.safetensors", y_gpu = dir_ / "gpu.safetensors",
+                 y_det1 = dir_ / "det1.safetensors", y_det2 = dir_ / "det2.safetensors";
+  ToolResult r = run_tool("reference" + args + q(y_ref));
+  ASSERT_EQ(r.code, 0) << r.output;
+  for (const auto& [out, flags] : {std::pair{y_gpu, ""}, std::pair{y_det1, " --deterministic"},
+                                   std::pair{y_det2, " --deterministic"}}) {
+    r = run_tool("run" + args + q(out) + flags);
+    ASSERT_EQ(r.code, 0) << r.output;
+  }
+  const auto ref = SafetensorsFile::open(y_ref.string());
+  const std::vector<uint16_t> want = read_tensor<uint16_t>(*ref, "output");
+  for (const fs::path& p : {y_gpu, y_det1}) {
+    const auto got_file = SafetensorsFile::open(p.string());
+    EXPECT_EQ(read_tensor<int32_t>(*got_file, "topk_ids"), read_tensor<int32_t>(*ref, "topk_ids"));
+    const std::vector<uint16_t> got = read_tensor<uint16_t>(*got_file, "output");
+    ASSERT_EQ(got.size(), want.size());
+    double num = 0, den = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const double g = megamoe::bf16_to_f32(got[i]), w = megamoe::bf16_to_f32(want[i]);
+      ASSERT_TRUE(std::isfinite(g)) << p << " element " << i;
+      num += (g - w) * (g - w);
+      den += w * w;
+    }
+    EXPECT_LE(std::sqrt(num / den), 2e-3) << p;
+  }
+  EXPECT_EQ(raw_bytes(*SafetensorsFile::open(y_det1.string()), "output"),
+            raw_bytes(*SafetensorsFile::open(y_det2.string()), "output"))
+      << "--deterministic runs differ";
 }
 
 TEST_F(ToolSynth, ReferenceWithGivenAndComputedRouting) {
