@@ -58,23 +58,24 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-// Times `fn` (which enqueues work on `stream`) `reps` times with CUDA events, flushing L2 by
-// overwriting a buffer twice its size before each run, as when other layers run in between.
+// Median time in µs of `fn` (which enqueues work on `stream`) over `reps` runs after `warmup`
+// untimed ones, with CUDA events. With `flush`, the L2 is flushed before each run by
+// overwriting a buffer twice its size, as when other layers run in between.
 template <class Fn>
-double time_median_us(Fn&& fn, int reps, cudaStream_t stream, DevBuf<uint8_t>& flush) {
+double event_median_us(Fn&& fn, int reps, int warmup, cudaStream_t stream, DevBuf<uint8_t>* flush) {
   cudaEvent_t a, b;
   check_cuda(cudaEventCreate(&a), "cudaEventCreate");
   check_cuda(cudaEventCreate(&b), "cudaEventCreate");
   std::vector<double> us;
-  for (int r = 0; r < reps; ++r) {
-    check_cuda(cudaMemsetAsync(flush.ptr, r & 0xFF, flush.count, stream), "L2 flush");
+  for (int r = 0; r < warmup + reps; ++r) {
+    if (flush) check_cuda(cudaMemsetAsync(flush->ptr, r & 0xFF, flush->count, stream), "L2 flush");
     check_cuda(cudaEventRecord(a, stream), "cudaEventRecord");
     fn();
     check_cuda(cudaEventRecord(b, stream), "cudaEventRecord");
     check_cuda(cudaEventSynchronize(b), "cudaEventSynchronize");
     float ms = 0;
     check_cuda(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
-    us.push_back(1000.0 * ms);
+    if (r >= warmup) us.push_back(1000.0 * ms);
   }
   cudaEventDestroy(a);
   cudaEventDestroy(b);
@@ -99,24 +100,12 @@ struct Graph {
 
 double measure_copy_tbps(cudaStream_t stream) {
   const size_t bytes = size_t{2} << 30;
-  DevBuf<uint8_t> src(bytes), dst(bytes), none(1);
+  DevBuf<uint8_t> src(bytes), dst(bytes);
   check_cuda(cudaMemset(src.ptr, 0x5A, bytes), "memset");
-  std::vector<double> us;
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  for (int r = 0; r < 12; ++r) {
-    cudaEventRecord(a, stream);
-    check_cuda(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, stream), "D2D copy");
-    cudaEventRecord(b, stream);
-    cudaEventSynchronize(b);
-    float ms;
-    cudaEventElapsedTime(&ms, a, b);
-    if (r >= 2) us.push_back(1000.0 * ms);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return 2.0 * bytes / (median(us) * 1e-6) / 1e12;  // read + write
+  const double us = event_median_us(
+      [&] { check_cuda(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, stream), "D2D copy"); },
+      10, 2, stream, nullptr);
+  return 2.0 * bytes / (us * 1e-6) / 1e12;  // read + write
 }
 
 double measure_bf16_tflops(cudaStream_t stream) {
@@ -132,26 +121,16 @@ double measure_bf16_tflops(cudaStream_t stream) {
   MEGAMOE_CHECK(cublasCreate(&handle) == CUBLAS_STATUS_SUCCESS, kCuda, "cublasCreate failed");
   cublasSetStream(handle, stream);
   const float one = 1, zero = 0;
-  std::vector<double> us;
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  for (int r = 0; r < 12; ++r) {
-    cudaEventRecord(a, stream);
-    MEGAMOE_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, A.ptr, CUDA_R_16BF, n, B.ptr,
-                               CUDA_R_16BF, n, &zero, C.ptr, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
-                               CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS,
-                  kCuda, "cublasGemmEx failed");
-    cudaEventRecord(b, stream);
-    cudaEventSynchronize(b);
-    float ms;
-    cudaEventElapsedTime(&ms, a, b);
-    if (r >= 2) us.push_back(1000.0 * ms);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
+  const double us = event_median_us(
+      [&] {
+        MEGAMOE_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, A.ptr, CUDA_R_16BF, n, B.ptr,
+                                   CUDA_R_16BF, n, &zero, C.ptr, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+                                   CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS,
+                      kCuda, "cublasGemmEx failed");
+      },
+      10, 2, stream, nullptr);
   cublasDestroy(handle);
-  return 2.0 * double(n) * n * n / (median(us) * 1e-6) / 1e12;
+  return 2.0 * double(n) * n * n / (us * 1e-6) / 1e12;
 }
 
 // Uniform random distinct experts per token, weights positive and normalised.
@@ -407,7 +386,7 @@ int run_bench(const BenchOptions& opt) {
     run_ours(dx.ptr, dids.ptr, dw.ptr, T, dout.ptr);  // warm-up outside capture
     check_cuda(cudaStreamSynchronize(stream), "warm-up");
     const Graph ours(stream, [&] { run_ours(dx.ptr, dids.ptr, dw.ptr, T, dout.ptr); });
-    const double us = time_median_us([&] { ours.launch(stream); }, opt.replays, stream, flush);
+    const double us = event_median_us([&] { ours.launch(stream); }, opt.replays, 2, stream, &flush);
     double base_us = 0;
     if (base) {
       base->set_routing(topk);
@@ -415,7 +394,7 @@ int run_bench(const BenchOptions& opt) {
       base->run(dx.ptr, bout.ptr, stream);
       check_cuda(cudaStreamSynchronize(stream), "baseline warm-up");
       const Graph g(stream, [&] { base->run(dx.ptr, bout.ptr, stream); });
-      base_us = time_median_us([&] { g.launch(stream); }, opt.replays, stream, flush);
+      base_us = event_median_us([&] { g.launch(stream); }, opt.replays, 2, stream, &flush);
     }
     const double pct = 100.0 * floor_us / us;
     std::printf("%7lld %7lld %10.1f %10.1f %7.1f%% %9.1f %9.0f %12.1f %7.2fx\n", (long long)T, (long long)active,

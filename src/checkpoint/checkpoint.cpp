@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/json_file.h"
 #include "megamoe/status.h"
 
 namespace megamoe {
@@ -21,17 +22,7 @@ using nlohmann::json;
 
 constexpr const char* kIndexName = "model.safetensors.index.json";
 
-json read_json_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  MEGAMOE_CHECK(in.good(), kIo, "cannot read '", path.string(), "'.");
-  std::ostringstream text;
-  text << in.rdbuf();
-  try {
-    return json::parse(text.str());
-  } catch (const json::exception& e) {
-    MEGAMOE_FAIL(kInvalidCheckpoint, "'", path.string(), "' is not valid JSON: ", e.what());
-  }
-}
+using checkpoint_detail::read_json_file;
 
 // A shard named by index.json must be a file of the checkpoint directory itself: a path with a
 // directory part (or "..") would let a downloaded index point anywhere on the machine.

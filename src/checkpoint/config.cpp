@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "megamoe/checkpoint.h"
+#include "checkpoint/json_file.h"
 #include "megamoe/status.h"
 
 namespace megamoe {
@@ -24,17 +25,7 @@ constexpr const char* kQwen3Moe = "Qwen3MoeForCausalLM";
 constexpr const char* kSupportedArchitectures = "DeepseekV3ForCausalLM, Qwen3MoeForCausalLM";
 constexpr int kIntMax = std::numeric_limits<int>::max();
 
-json read_json_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  MEGAMOE_CHECK(in.good(), kIo, "cannot read '", path.string(), "'.");
-  std::ostringstream text;
-  text << in.rdbuf();
-  try {
-    return json::parse(text.str());
-  } catch (const json::exception& e) {
-    MEGAMOE_FAIL(kInvalidCheckpoint, "'", path.string(), "' is not valid JSON: ", e.what());
-  }
-}
+using checkpoint_detail::read_json_file;
 
 // Typed access to the fields of one JSON object, with messages naming the file and the field.
 // A null value counts as absent (HF writes null for unset optional fields).

@@ -3,37 +3,15 @@
 #include <cstdint>
 #include <cstring>
 
+#include "core/bits.h"
 #include "megamoe/format.h"
 #include "megamoe/status.h"
 
 namespace megamoe {
 
-namespace {
-
-uint32_t f32_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-float f32_from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// m / 2^s rounded to nearest, ties to even, in integers (so the result does not depend on the
-// floating-point rounding mode). s >= 32 only happens for magnitudes far below half the target
-// unit, which round to 0.
-uint32_t shift_right_rne(uint32_t m, int s) {
-  if (s >= 32) return 0;
-  const uint32_t q = m >> s;
-  const uint32_t rem = m & ((1u << s) - 1u);
-  const uint32_t half = 1u << (s - 1);
-  return q + ((rem > half || (rem == half && (q & 1u))) ? 1u : 0u);
-}
-
-}  // namespace
+using detail::f32_bits;
+using detail::f32_from_bits;
+using detail::shift_right_rne;
 
 int dtype_size(DType t) {
   switch (t) {

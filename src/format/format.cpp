@@ -11,6 +11,7 @@
 #include <limits>
 #include <string>
 
+#include "core/bits.h"
 #include "megamoe/dtype.h"
 #include "megamoe/status.h"
 
@@ -18,21 +19,8 @@ namespace megamoe::format {
 
 namespace {
 
-uint32_t f32_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-// m / 2^s rounded to nearest, ties to even, in integers (independent of the FP rounding mode).
-// Shifts of 32 or more only occur for values far below half a unit, which round to 0.
-uint32_t shift_right_rne(uint32_t m, int s) {
-  if (s >= 32) return 0;
-  const uint32_t q = m >> s;
-  const uint32_t rem = m & ((1u << s) - 1u);
-  const uint32_t half = 1u << (s - 1);
-  return q + ((rem > half || (rem == half && (q & 1u))) ? 1u : 0u);
-}
+using detail::f32_bits;
+using detail::shift_right_rne;
 
 // 2^e for small |e|, by repeated exact doubling/halving so it can run at compile time.
 constexpr float pow2(int e) {

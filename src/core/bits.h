@@ -1,0 +1,32 @@
+// Bit-level helpers shared by the host codecs (src/core/dtype.cpp, src/format/format.cpp).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+namespace megamoe::detail {
+
+inline uint32_t f32_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+
+inline float f32_from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// m / 2^s rounded to nearest, ties to even, in integers (so the result does not depend on the
+// floating-point rounding mode). s >= 32 only happens for magnitudes far below half the target
+// unit, which round to 0. Requires s >= 1.
+inline uint32_t shift_right_rne(uint32_t m, int s) {
+  if (s >= 32) return 0;
+  const uint32_t q = m >> s;
+  const uint32_t rem = m & ((1u << s) - 1u);
+  const uint32_t half = 1u << (s - 1);
+  return q + ((rem > half || (rem == half && (q & 1u))) ? 1u : 0u);
+}
+
+}  // namespace megamoe::detail
