@@ -267,6 +267,25 @@ int64_t MoePlan::invalid_id_count(const void* workspace, cudaStream_t stream) co
 
 namespace {
 
+// Launches `kernel` so that it may start while the previous kernel on the stream still runs
+// (programmatic dependent launch); the kernel waits for that one's results itself
+// (kernels/common/pdl.cuh).
+template <class Params>
+void launch_dependent(void (*kernel)(Params), unsigned grid, unsigned block, size_t smem,
+                      cudaStream_t stream, const Params& params) {
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(block);
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attr;
+  config.numAttrs = 1;
+  check_cuda(cudaLaunchKernelEx(&config, kernel, params), "cudaLaunchKernelEx");
+}
+
 template <bool kIsL1, int kWG, int kBN, int kStages, int kMinBlocksPerSm>
 void launch_gemm(const k90::W4a16GemmParams& params, int num_sms, int64_t max_work, cudaStream_t stream) {
   using Smem = k90::W4a16SmemLayout<kWG, kBN, kStages>;
@@ -284,8 +303,7 @@ void launch_gemm(const k90::W4a16GemmParams& params, int num_sms, int64_t max_wo
     return std::max(n, 1);
   }();
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(int64_t{num_sms} * blocks_per_sm, max_work));
-  kernel<<<static_cast<unsigned>(grid), kWG * 128, Smem::kAllocBytes, stream>>>(params);
-  check_cuda(cudaGetLastError(), "w4a16_grouped_gemm_kernel launch");
+  launch_dependent(kernel, static_cast<unsigned>(grid), kWG * 128, Smem::kAllocBytes, stream, params);
 }
 
 // The whitelist of instantiations (keeps the build in minutes): see sm90_moe_heuristics.cpp.
@@ -335,11 +353,6 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   const int64_t T = args.tokens, H = p.hidden_size, I = p.intermediate_size;
   const int64_t EV = virtual_experts(p), spt = slots_per_token(p);
   void* ws = args.workspace;
-
-  if (!p.deterministic) {
-    check_cuda(cudaMemsetAsync(at<float>(ws, L.out_acc), 0, static_cast<size_t>(T * H) * 4, stream),
-               "cudaMemsetAsync(accumulator)");
-  }
 
   k90::DispatchParams d{};
   d.topk_ids = args.topk_ids;
@@ -392,6 +405,8 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   g1.act = at<__nv_bfloat16>(ws, L.act);
   g1.act_ld = I;
   g1.swiglu_limit = limit;
+  g1.zero_first = p.deterministic ? nullptr : at<float>(ws, L.out_acc);
+  g1.zero_count = p.deterministic ? 0 : T * H;
   launch_gemm_config<true>(cfg.l1, g1, plan.num_sms(), max_work(cfg.l1, d.l1_m_tiles), stream);
 
   k90::W4a16GemmParams g2 = g1;
@@ -412,6 +427,8 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   g2.out_acc = p.deterministic ? nullptr : at<float>(ws, L.out_acc);
   g2.y_slot = p.deterministic ? at<float>(ws, L.y_slot) : nullptr;
   g2.out_ld = H;
+  g2.zero_first = nullptr;
+  g2.zero_count = 0;
   launch_gemm_config<false>(cfg.l2, g2, plan.num_sms(), max_work(cfg.l2, d.l2_m_tiles), stream);
 
   k90::CombineParams c{};
@@ -425,8 +442,7 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   c.out = reinterpret_cast<__nv_bfloat16*>(args.output);
   const int64_t vecs = T * H / 8;
   const int64_t blocks = std::min<int64_t>((vecs + 255) / 256, int64_t{plan.num_sms()} * 8);
-  k90::moe_combine_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(c);
-  check_cuda(cudaGetLastError(), "moe_combine_kernel launch");
+  launch_dependent(&k90::moe_combine_kernel, static_cast<unsigned>(blocks), 256, 0, stream, c);
 }
 
 }  // namespace megamoe

@@ -6,6 +6,8 @@
 #include <cuda_bf16.h>
 #include <cstdint>
 
+#include "kernels/common/pdl.cuh"
+
 namespace megamoe::kernels::sm90 {
 
 struct CombineParams {
@@ -21,6 +23,7 @@ struct CombineParams {
 
 // One thread per 8 consecutive outputs (32-byte fp32 reads, 16-byte bf16 writes).
 __global__ void __launch_bounds__(256) moe_combine_kernel(CombineParams p) {
+  grid_dependency_wait();  // the L2 results are complete from here on
   const int64_t vecs_per_row = p.hidden / 8;
   const int64_t total = p.tokens * vecs_per_row;
   for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < total;

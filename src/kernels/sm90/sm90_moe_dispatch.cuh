@@ -9,6 +9,8 @@
 #include <cub/block/block_scan.cuh>
 #include <cstdint>
 
+#include "kernels/common/pdl.cuh"
+
 namespace megamoe::kernels::sm90 {
 
 struct DispatchParams {
@@ -49,6 +51,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(Dispa
   __shared__ int32_t cursor[kDispatchMaxExperts];
   __shared__ int32_t invalid;
 
+  allow_dependent_launch();  // L1's CTAs may be scheduled now; they wait for this grid's results
   const int tid = threadIdx.x;
   const int num_virtual = p.num_experts + p.shared_chunks;
   const int64_t items = static_cast<int64_t>(p.tokens) * p.top_k;

@@ -15,6 +15,7 @@
 #include <cute/arch/mma_sm90_gmma.hpp>
 
 #include "kernels/common/nvfp4_decode.cuh"
+#include "kernels/common/pdl.cuh"
 #include "kernels/sm90/sm90_w4a16_layout.h"
 
 namespace megamoe::kernels::sm90 {
@@ -47,6 +48,10 @@ struct W4a16GemmParams {
   float* y_slot;
   int64_t out_ld;
   float swiglu_limit;  // +inf when there is no clamp
+  // L1 only: the atomic-combine accumulator (T, H) fp32 that L2 adds into, zeroed here so the run
+  // needs no separate memset (L2 starts after this grid has completed).
+  float* zero_first;
+  int64_t zero_count;  // floats, a multiple of 4
 };
 
 namespace detail {
@@ -102,6 +107,16 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
+// Zeroes `count` floats (a multiple of 4) with the whole grid. Kept out of line so its registers
+// do not add to the mainloop's.
+__device__ __noinline__ void zero_grid_stride(float* dst, int64_t count) {
+  const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count / 4;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    reinterpret_cast<float4*>(dst)[i] = zero;
+  }
+}
+
 }  // namespace detail
 
 // Shared-memory footprint of one configuration (host and device agree through this).
@@ -141,8 +156,13 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
   const int wtid = tid % kThreadsPerWarpgroup; // thread in warpgroup
   const int warp = wtid / 32, lane = wtid % 32;
   const int g = lane / 4, t = lane % 4;
-  const int total_work = p.tile_offsets[p.num_experts];
   const E2m1Tables tab = load_e2m1_tables();
+  allow_dependent_launch();
+  grid_dependency_wait();  // the dispatch (L1) or L1 (L2) results are complete from here on
+  if constexpr (kIsL1) {
+    if (p.zero_first != nullptr) detail::zero_grid_stride(p.zero_first, p.zero_count);
+  }
+  const int total_work = p.tile_offsets[p.num_experts];
 
   for (int work = blockIdx.x; work < total_work; work += gridDim.x) {
     // Find the expert whose tile range holds `work` (binary search over the prefix).
