@@ -32,25 +32,7 @@ using gpu::check_cuda;
 
 constexpr double kNvfp4BytesPerWeight = 0.5625;  // 4-bit code + one 1-byte scale per 16
 
-template <class T>
-struct DevBuf {
-  T* ptr = nullptr;
-  size_t count = 0;
-  explicit DevBuf(size_t n) : count(n) {
-    check_cuda(cudaMalloc(reinterpret_cast<void**>(&ptr), std::max<size_t>(n, 1) * sizeof(T)), "cudaMalloc");
-  }
-  ~DevBuf() { cudaFree(ptr); }
-  DevBuf(const DevBuf&) = delete;
-  DevBuf& operator=(const DevBuf&) = delete;
-  void upload(const std::vector<T>& h) {
-    check_cuda(cudaMemcpy(ptr, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice), "H2D");
-  }
-  std::vector<T> download(size_t n) const {
-    std::vector<T> h(n);
-    check_cuda(cudaMemcpy(h.data(), ptr, n * sizeof(T), cudaMemcpyDeviceToHost), "D2H");
-    return h;
-  }
-};
+using gpu::DeviceBuffer;
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -62,13 +44,13 @@ double median(std::vector<double> v) {
 // untimed ones, with CUDA events. With `flush`, the L2 is flushed before each run by
 // overwriting a buffer twice its size, as when other layers run in between.
 template <class Fn>
-double event_median_us(Fn&& fn, int reps, int warmup, cudaStream_t stream, DevBuf<uint8_t>* flush) {
+double event_median_us(Fn&& fn, int reps, int warmup, cudaStream_t stream, DeviceBuffer<uint8_t>* flush) {
   cudaEvent_t a, b;
   check_cuda(cudaEventCreate(&a), "cudaEventCreate");
   check_cuda(cudaEventCreate(&b), "cudaEventCreate");
   std::vector<double> us;
   for (int r = 0; r < warmup + reps; ++r) {
-    if (flush) check_cuda(cudaMemsetAsync(flush->ptr, r & 0xFF, flush->count, stream), "L2 flush");
+    if (flush) check_cuda(cudaMemsetAsync(flush->get(), r & 0xFF, flush->size(), stream), "L2 flush");
     check_cuda(cudaEventRecord(a, stream), "cudaEventRecord");
     fn();
     check_cuda(cudaEventRecord(b, stream), "cudaEventRecord");
@@ -100,10 +82,10 @@ struct Graph {
 
 double measure_copy_tbps(cudaStream_t stream) {
   const size_t bytes = size_t{2} << 30;
-  DevBuf<uint8_t> src(bytes), dst(bytes);
-  check_cuda(cudaMemset(src.ptr, 0x5A, bytes), "memset");
+  DeviceBuffer<uint8_t> src(bytes), dst(bytes);
+  check_cuda(cudaMemset(src.get(), 0x5A, bytes), "memset");
   const double us = event_median_us(
-      [&] { check_cuda(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice, stream), "D2D copy"); },
+      [&] { check_cuda(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, stream), "D2D copy"); },
       10, 2, stream, nullptr);
   return 2.0 * bytes / (us * 1e-6) / 1e12;  // read + write
 }
@@ -114,7 +96,7 @@ double measure_bf16_tflops(cudaStream_t stream) {
   std::mt19937 rng(7);
   std::normal_distribution<float> nd;
   for (auto& v : h) v = f32_to_bf16(nd(rng));
-  DevBuf<uint16_t> A(h.size()), B(h.size()), C(h.size());
+  DeviceBuffer<uint16_t> A(h.size()), B(h.size()), C(h.size());
   A.upload(h);
   B.upload(h);
   cublasHandle_t handle;
@@ -123,8 +105,8 @@ double measure_bf16_tflops(cudaStream_t stream) {
   const float one = 1, zero = 0;
   const double us = event_median_us(
       [&] {
-        MEGAMOE_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, A.ptr, CUDA_R_16BF, n, B.ptr,
-                                   CUDA_R_16BF, n, &zero, C.ptr, CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
+        MEGAMOE_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, A.get(), CUDA_R_16BF, n, B.get(),
+                                   CUDA_R_16BF, n, &zero, C.get(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
                                    CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS,
                       kCuda, "cublasGemmEx failed");
       },
@@ -194,11 +176,11 @@ void upload_bf16(const std::vector<float>& w, uint16_t* dst) {
 
 // Dequantizes an NVFP4 linear on the GPU into rows [row0, row0 + out) of `dst` (row-major bf16).
 void dequant_to(const Nvfp4Linear& lin, uint16_t* dst) {
-  DevBuf<uint8_t> codes(size_t(lin.out_features * lin.in_features / 2));
-  DevBuf<uint8_t> scales(size_t(lin.out_features * lin.in_features / 16));
-  check_cuda(cudaMemcpy(codes.ptr, lin.weight, codes.count, cudaMemcpyHostToDevice), "H2D");
-  check_cuda(cudaMemcpy(scales.ptr, lin.weight_scale, scales.count, cudaMemcpyHostToDevice), "H2D");
-  gpu::dequantize_nvfp4(codes.ptr, scales.ptr, lin.weight_scale_2, lin.out_features, lin.in_features, dst, nullptr);
+  DeviceBuffer<uint8_t> codes(size_t(lin.out_features * lin.in_features / 2));
+  DeviceBuffer<uint8_t> scales(size_t(lin.out_features * lin.in_features / 16));
+  check_cuda(cudaMemcpy(codes.get(), lin.weight, codes.size(), cudaMemcpyHostToDevice), "H2D");
+  check_cuda(cudaMemcpy(scales.get(), lin.weight_scale, scales.size(), cudaMemcpyHostToDevice), "H2D");
+  gpu::dequantize_nvfp4(codes.get(), scales.get(), lin.weight_scale_2, lin.out_features, lin.in_features, dst, nullptr);
   check_cuda(cudaDeviceSynchronize(), "dequantize");
 }
 
@@ -258,13 +240,13 @@ int run_bench(const BenchOptions& opt) {
   problem.deterministic = opt.deterministic;
   const MoePlan plan = MoePlan::create(problem);
   const MoeDeviceWeights weights = MoeDeviceWeights::upload(layer, stream);
-  DevBuf<uint8_t> workspace(plan.workspace_bytes());
+  DeviceBuffer<uint8_t> workspace(plan.workspace_bytes());
   std::fprintf(stderr, "bench: layer %lld: H=%lld I=%lld E=%lld top-%d shared I=%lld; NVFP4 weights %.2f GB on device, workspace %.2f GB [%.0fs]\n",
                (long long)layer_index, (long long)H, (long long)I, (long long)E, k, (long long)shared_I,
                weights.device_bytes() / 1e9, plan.workspace_bytes() / 1e9, elapsed());
 
   auto run_ours = [&](const uint16_t* x, const int32_t* ids, const float* w, int64_t T, uint16_t* out) {
-    MoeRunArgs a{x, ids, w, T, out, workspace.ptr};
+    MoeRunArgs a{x, ids, w, T, out, workspace.get()};
     run(plan, weights, a, stream);
   };
 
@@ -277,16 +259,16 @@ int run_bench(const BenchOptions& opt) {
     const int64_t T = opt.check_tokens;
     const auto x = random_hidden(rng, T, H);
     const auto topk = uniform_topk(rng, T, E, k);
-    DevBuf<uint16_t> dx(x.size()), dout(x.size());
-    DevBuf<int32_t> dids(topk.ids.size());
-    DevBuf<float> dw(topk.weights.size());
+    DeviceBuffer<uint16_t> dx(x.size()), dout(x.size());
+    DeviceBuffer<int32_t> dids(topk.ids.size());
+    DeviceBuffer<float> dw(topk.weights.size());
     dx.upload(x);
     dids.upload(topk.ids);
     dw.upload(topk.weights);
-    check_cuda(cudaMemset(dout.ptr, 0xFF, dout.count * 2), "poison");
-    run_ours(dx.ptr, dids.ptr, dw.ptr, T, dout.ptr);
+    check_cuda(cudaMemset(dout.get(), 0xFF, dout.size() * 2), "poison");
+    run_ours(dx.get(), dids.get(), dw.get(), T, dout.get());
     check_cuda(cudaStreamSynchronize(stream), "run");
-    const auto got = dout.download(x.size());
+    const auto got = dout.download();
     // Both outputs are bf16: the error is what the GPU arithmetic adds beyond the final rounding.
     const auto ref_bf16 = reference::moe_forward(layer, x, T, topk);
     std::vector<float> ref(ref_bf16.size());
@@ -334,17 +316,17 @@ int run_bench(const BenchOptions& opt) {
       const int64_t T = 64;
       const auto x = random_hidden(rng, T, H);
       const auto topk = uniform_topk(rng, T, E, k);
-      DevBuf<uint16_t> dx(x.size()), d_ours(x.size()), d_base(x.size());
-      DevBuf<int32_t> dids(topk.ids.size());
-      DevBuf<float> dw(topk.weights.size());
+      DeviceBuffer<uint16_t> dx(x.size()), d_ours(x.size()), d_base(x.size());
+      DeviceBuffer<int32_t> dids(topk.ids.size());
+      DeviceBuffer<float> dw(topk.weights.size());
       dx.upload(x);
       dids.upload(topk.ids);
       dw.upload(topk.weights);
-      run_ours(dx.ptr, dids.ptr, dw.ptr, T, d_ours.ptr);
+      run_ours(dx.get(), dids.get(), dw.get(), T, d_ours.get());
       base->set_routing(topk);
-      base->run(dx.ptr, d_base.ptr, stream);
+      base->run(dx.get(), d_base.get(), stream);
       check_cuda(cudaStreamSynchronize(stream), "cosine runs");
-      const double cos = cosine(d_ours.download(x.size()), d_base.download(x.size()));
+      const double cos = cosine(d_ours.download(), d_base.download());
       std::printf("cosine similarity vs the unquantized bf16 layer (T=%lld): %.6f\n", (long long)T, cos);
       report["cosine_vs_unquantized"] = cos;
     }
@@ -359,7 +341,7 @@ int run_bench(const BenchOptions& opt) {
   }
 
   // ---- timing
-  DevBuf<uint8_t> flush(size_t(2) * size_t(prop.l2CacheSize));
+  DeviceBuffer<uint8_t> flush(size_t(2) * size_t(prop.l2CacheSize));
   std::printf("\n%s, %d SMs; copy %.2f TB/s, bf16 %.0f TFLOP/s (measured now). Layer H=%lld I=%lld E=%lld top-%d%s, %s\n",
               prop.name, prop.multiProcessorCount, copy_tbps, mma_tflops, (long long)H, (long long)I, (long long)E, k,
               shared_I ? " +shared" : "", opt.deterministic ? "deterministic" : "atomic combine");
@@ -377,23 +359,23 @@ int run_bench(const BenchOptions& opt) {
     const double weights_bytes = kNvfp4BytesPerWeight * 3.0 * H * (double(active) * I + double(shared_I));
     const double flops = 2.0 * 3.0 * H * double(T) * (double(k) * I + double(shared_I));
     const double floor_us = std::max(weights_bytes / (copy_tbps * 1e12), flops / (mma_tflops * 1e12)) * 1e6;
-    DevBuf<uint16_t> dx(x.size()), dout(x.size());
-    DevBuf<int32_t> dids(topk.ids.size());
-    DevBuf<float> dw(topk.weights.size());
+    DeviceBuffer<uint16_t> dx(x.size()), dout(x.size());
+    DeviceBuffer<int32_t> dids(topk.ids.size());
+    DeviceBuffer<float> dw(topk.weights.size());
     dx.upload(x);
     dids.upload(topk.ids);
     dw.upload(topk.weights);
-    run_ours(dx.ptr, dids.ptr, dw.ptr, T, dout.ptr);  // warm-up outside capture
+    run_ours(dx.get(), dids.get(), dw.get(), T, dout.get());  // warm-up outside capture
     check_cuda(cudaStreamSynchronize(stream), "warm-up");
-    const Graph ours(stream, [&] { run_ours(dx.ptr, dids.ptr, dw.ptr, T, dout.ptr); });
+    const Graph ours(stream, [&] { run_ours(dx.get(), dids.get(), dw.get(), T, dout.get()); });
     const double us = event_median_us([&] { ours.launch(stream); }, opt.replays, 2, stream, &flush);
     double base_us = 0;
     if (base) {
       base->set_routing(topk);
-      DevBuf<uint16_t> bout(x.size());
-      base->run(dx.ptr, bout.ptr, stream);
+      DeviceBuffer<uint16_t> bout(x.size());
+      base->run(dx.get(), bout.get(), stream);
       check_cuda(cudaStreamSynchronize(stream), "baseline warm-up");
-      const Graph g(stream, [&] { base->run(dx.ptr, bout.ptr, stream); });
+      const Graph g(stream, [&] { base->run(dx.get(), bout.get(), stream); });
       base_us = event_median_us([&] { g.launch(stream); }, opt.replays, 2, stream, &flush);
     }
     const double pct = 100.0 * floor_us / us;

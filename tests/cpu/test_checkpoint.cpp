@@ -30,6 +30,7 @@
 #include "megamoe/moe.h"
 #include "megamoe/safetensors.h"
 #include "megamoe/status.h"
+#include "error_matchers.h"
 
 namespace {
 
@@ -49,31 +50,6 @@ using nlohmann::json;
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-// Runs `f` and checks it throws megamoe::Error with `code` and a message holding every part.
-template <typename F>
-testing::AssertionResult throws_error(F&& f, ErrorCode code,
-                                      std::initializer_list<std::string_view> parts) {
-  try {
-    f();
-  } catch (const Error& e) {
-    if (e.code() != code) {
-      return testing::AssertionFailure() << "error code " << megamoe::error_code_name(e.code())
-                                         << ", expected " << megamoe::error_code_name(code)
-                                         << "; message: " << e.what();
-    }
-    for (std::string_view p : parts) {
-      if (std::string_view(e.what()).find(p) == std::string_view::npos) {
-        return testing::AssertionFailure() << "message lacks \"" << p << "\": " << e.what();
-      }
-    }
-    return testing::AssertionSuccess();
-  } catch (const std::exception& e) {
-    return testing::AssertionFailure() << "threw a non-megamoe exception: " << e.what();
-  }
-  return testing::AssertionFailure() << "did not throw";
-}
-#define EXPECT_MEGAMOE_ERROR(stmt, code, ...) \
-  EXPECT_TRUE(throws_error([&] { stmt; }, ErrorCode::code, {__VA_ARGS__}))
 
 // ---- building checkpoints in memory
 

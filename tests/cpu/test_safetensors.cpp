@@ -23,6 +23,7 @@
 
 #include "megamoe/safetensors.h"
 #include "megamoe/status.h"
+#include "error_matchers.h"
 
 namespace {
 
@@ -38,31 +39,6 @@ constexpr DType kAllDTypes[] = {DType::BF16, DType::F16,     DType::F32,
                                 DType::U8,   DType::I8,      DType::I32,
                                 DType::I64,  DType::F8_E4M3, DType::F8_E5M2};
 
-// Runs `f` and checks it throws megamoe::Error with `code` and a message holding every part.
-template <typename F>
-testing::AssertionResult throws_error(F&& f, ErrorCode code,
-                                      std::initializer_list<std::string_view> parts) {
-  try {
-    f();
-  } catch (const Error& e) {
-    if (e.code() != code) {
-      return testing::AssertionFailure() << "error code " << megamoe::error_code_name(e.code())
-                                         << ", expected " << megamoe::error_code_name(code)
-                                         << "; message: " << e.what();
-    }
-    for (std::string_view p : parts) {
-      if (std::string_view(e.what()).find(p) == std::string_view::npos) {
-        return testing::AssertionFailure() << "message lacks \"" << p << "\": " << e.what();
-      }
-    }
-    return testing::AssertionSuccess();
-  } catch (const std::exception& e) {
-    return testing::AssertionFailure() << "threw a non-megamoe exception: " << e.what();
-  }
-  return testing::AssertionFailure() << "did not throw";
-}
-#define EXPECT_MEGAMOE_ERROR(stmt, code, ...) \
-  EXPECT_TRUE(throws_error([&] { stmt; }, ErrorCode::code, {__VA_ARGS__}))
 
 // A fresh directory per test, removed with everything in it at the end; the seed of the test's
 // random data is printed when the test fails.

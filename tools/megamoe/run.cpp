@@ -25,27 +25,6 @@ struct RunArgs {
   bool deterministic = false;
 };
 
-// A device allocation freed on scope exit.
-struct DeviceBytes {
-  void* ptr = nullptr;
-  explicit DeviceBytes(size_t bytes) {
-    gpu::check_cuda(cudaMalloc(&ptr, bytes ? bytes : 1), "cudaMalloc");
-  }
-  ~DeviceBytes() { cudaFree(ptr); }
-  DeviceBytes(const DeviceBytes&) = delete;
-  DeviceBytes& operator=(const DeviceBytes&) = delete;
-  template <class T>
-  T* as() const { return static_cast<T*>(ptr); }
-};
-
-template <class T>
-std::unique_ptr<DeviceBytes> to_device(const std::vector<T>& host) {
-  auto d = std::make_unique<DeviceBytes>(host.size() * sizeof(T));
-  gpu::check_cuda(cudaMemcpy(d->ptr, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice),
-                  "cudaMemcpy(host to device)");
-  return d;
-}
-
 void run_gpu(const RunArgs& args) {
   check_distinct_files(args.input, args.output);
   MEGAMOE_CHECK(gpu::device_count() > 0, kUnsupported,
@@ -59,28 +38,26 @@ void run_gpu(const RunArgs& args) {
   problem.deterministic = args.deterministic;
   const MoePlan plan = MoePlan::create(problem);
   const MoeDeviceWeights weights = MoeDeviceWeights::upload(job.layer);
-  DeviceBytes workspace(plan.workspace_bytes());
-  const auto hidden = to_device(job.hidden);
-  const auto ids = to_device(job.topk.ids);
-  const auto topk_weights = to_device(job.topk.weights);
-  DeviceBytes out(static_cast<size_t>(T * H) * sizeof(uint16_t));
+  const gpu::DeviceBuffer<uint8_t> workspace(plan.workspace_bytes());
+  const gpu::DeviceBuffer<uint16_t> hidden(job.hidden);
+  const gpu::DeviceBuffer<int32_t> ids(job.topk.ids);
+  const gpu::DeviceBuffer<float> topk_weights(job.topk.weights);
+  const gpu::DeviceBuffer<uint16_t> out(static_cast<size_t>(T * H));
 
   MoeRunArgs run_args;
-  run_args.hidden = hidden->as<uint16_t>();
-  run_args.topk_ids = ids->as<int32_t>();
-  run_args.topk_weights = topk_weights->as<float>();
+  run_args.hidden = hidden.get();
+  run_args.topk_ids = ids.get();
+  run_args.topk_weights = topk_weights.get();
   run_args.tokens = T;
-  run_args.output = out.as<uint16_t>();
-  run_args.workspace = workspace.ptr;
+  run_args.output = out.get();
+  run_args.workspace = workspace.get();
   run(plan, weights, run_args, nullptr);
   gpu::check_cuda(cudaDeviceSynchronize(), "megamoe run");
   if (T > 0) {
-    const int64_t invalid = plan.invalid_id_count(workspace.ptr, nullptr);
+    const int64_t invalid = plan.invalid_id_count(workspace.get(), nullptr);
     MEGAMOE_CHECK(invalid == 0, kInternal, invalid, " top-k ids were out of range on the device");
   }
-  std::vector<uint16_t> result(static_cast<size_t>(T * H));
-  gpu::check_cuda(cudaMemcpy(result.data(), out.ptr, result.size() * sizeof(uint16_t), cudaMemcpyDeviceToHost),
-                  "cudaMemcpy(device to host)");
+  const std::vector<uint16_t> result = out.download();
   write_layer_output(args.output, job, result);
   std::fprintf(stderr, "megamoe run: %lld tokens through layer %lld on the GPU (%s; %s) -> '%s'\n",
                (long long)T, (long long)args.layer, plan.describe(T).c_str(), job.routing_name(),
