@@ -10,6 +10,7 @@
 #include "kernels/sm90/sm90_moe_combine.cuh"
 #include "kernels/sm90/sm90_moe_dispatch.cuh"
 #include "kernels/sm90/sm90_w4a16_grouped_gemm.cuh"
+#include "kernels/sm90/sm90_w4a16_ws_grouped_gemm.cuh"
 #include "megamoe/gpu.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
@@ -286,24 +287,39 @@ void launch_dependent(void (*kernel)(Params), unsigned grid, unsigned block, siz
   check_cuda(cudaLaunchKernelEx(&config, kernel, params), "cudaLaunchKernelEx");
 }
 
+// Sets a kernel's shared-memory attributes once and returns its resident CTAs per SM.
+template <class Kernel>
+int prepare_kernel(Kernel* kernel, int threads, int smem_bytes) {
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
+             "cudaFuncSetAttribute(max dynamic shared memory)");
+  // All of the unified L1/shared array as shared memory: the kernels stream through
+  // shared-memory stages and have no use for a large L1.
+  check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
+             "cudaFuncSetAttribute(shared memory carveout)");
+  int n = 0;
+  check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem_bytes),
+             "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  return std::max(n, 1);
+}
+
+// The cooperative cp.async mainloop (middle and prefill tiles).
 template <bool kIsL1, int kWG, int kBN, int kStages, int kMinBlocksPerSm>
 void launch_gemm(const k90::W4a16GemmParams& params, int num_sms, int64_t max_work, cudaStream_t stream) {
   using Smem = k90::W4a16SmemLayout<kWG, kBN, kStages>;
   auto* kernel = &k90::w4a16_grouped_gemm_kernel<kIsL1, kWG, kBN, kStages, kMinBlocksPerSm>;
-  static const int blocks_per_sm = [&] {
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::kAllocBytes),
-               "cudaFuncSetAttribute(max dynamic shared memory)");
-    // All of the unified L1/shared array as shared memory: the kernel streams through
-    // shared-memory stages and has no use for a large L1.
-    check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
-               "cudaFuncSetAttribute(shared memory carveout)");
-    int n = 0;
-    check_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kWG * 128, Smem::kAllocBytes),
-               "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-    return std::max(n, 1);
-  }();
+  static const int blocks_per_sm = prepare_kernel(kernel, kWG * 128, Smem::kAllocBytes);
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(int64_t{num_sms} * blocks_per_sm, max_work));
   launch_dependent(kernel, static_cast<unsigned>(grid), kWG * 128, Smem::kAllocBytes, stream, params);
+}
+
+// The warp-specialised decode mainloop (one consumer warpgroup + a producer warp).
+template <bool kIsL1, int kBN, int kStages, int kMinBlocksPerSm>
+void launch_ws_gemm(const k90::W4a16GemmParams& params, int num_sms, int64_t max_work, cudaStream_t stream) {
+  using Smem = k90::W4a16WsSmemLayout<kBN, kStages>;
+  auto* kernel = &k90::w4a16_ws_grouped_gemm_kernel<kIsL1, kBN, kStages, kMinBlocksPerSm>;
+  static const int blocks_per_sm = prepare_kernel(kernel, k90::kWsThreads, Smem::kAllocBytes);
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(int64_t{num_sms} * blocks_per_sm, max_work));
+  launch_dependent(kernel, static_cast<unsigned>(grid), k90::kWsThreads, Smem::kAllocBytes, stream, params);
 }
 
 // The whitelist of instantiations (keeps the build in minutes): see sm90_moe_heuristics.cpp.
@@ -313,7 +329,7 @@ void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params,
   MEGAMOE_CHECK(c.k_splits >= 1 && (c.k_splits == 1 || (!kIsL1 && params.y_slot == nullptr)), kInternal,
                 "GEMM config ", c.to_string(), ": only the atomic L2 may split K");
   if (c.warpgroups == 1 && c.block_n == 16 && c.stages == 8) {
-    launch_gemm<kIsL1, 1, 16, 8, 1>(params, num_sms, max_work, stream);
+    launch_ws_gemm<kIsL1, 16, 8, 4>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 1 && c.block_n == 64 && c.stages == 6) {
     launch_gemm<kIsL1, 1, 64, 6, 1>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 2 && c.block_n == 128 && c.stages == 4) {

@@ -40,7 +40,12 @@ void prepack(int64_t rows, int64_t k_begin, int64_t k_len, RowSource source,
           for (int p = 0; p < 8; ++p) {
             const int r = 16 * w + g + nibble_row_offset(p);
             const int64_t k = k0 + 16 * s + 2 * t + nibble_k_offset(p);
-            word |= static_cast<uint32_t>(format::e2m1_code_at(row_codes[r], k)) << (4 * p);
+            // A block whose scale is 0 has weights 0 whatever its codes: clear them, so the
+            // mainloop's scale conversion may skip the zero case (ue4m3x2_to_bf16x2_nonzero).
+            const uint8_t code = row_scales[r][k / 16] == 0 ? 0 : format::e2m1_code_at(row_codes[r], k);
+            for (int b = 0; b < 4; ++b) {
+              word |= static_cast<uint32_t>((code >> b) & 1u) << code_bit_position(p, b);
+            }
           }
           uint8_t* dst = tile_codes + tid * 16 + s * 4;
           for (int b = 0; b < 4; ++b) dst[b] = static_cast<uint8_t>(word >> (8 * b));

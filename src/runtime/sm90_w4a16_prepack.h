@@ -1,5 +1,7 @@
 // Host prepack of NVFP4 weights into the layout of kernels/sm90/sm90_w4a16_layout.h.
-// A reshuffle of the checkpoint's nibbles and scale bytes: same bits, nothing decoded.
+// A reshuffle of the checkpoint's code bits and scale bytes: same bits, nothing decoded, with one
+// canonicalisation that keeps every weight's value: the codes of a block whose scale is 0 are
+// stored as 0 (the mainloop's scale conversion is exact for nonzero scales only).
 #pragma once
 
 #include <cstdint>

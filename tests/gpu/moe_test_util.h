@@ -16,9 +16,15 @@
 
 namespace megamoe::testing {
 
+// Block scales of a random linear: spread around a per-row level (realistic), or every valid
+// ue4m3 byte 0x00..0x7E uniformly (zero blocks with nonzero codes, subnormal scales 0x01..0x07,
+// the maximum 448: the scale paths a realistic checkpoint rarely takes).
+enum class ScaleCodes { kRealistic, kEveryCode };
+
 // A random NVFP4 linear whose dequantized entries have magnitude ~ 1/sqrt(in): block scales
 // spread over 2^-4..2^3 around a per-row level, all 16 codes, and a per-projection global scale.
-inline Nvfp4Linear random_linear(std::mt19937& rng, int64_t out, int64_t in) {
+inline Nvfp4Linear random_linear(std::mt19937& rng, int64_t out, int64_t in,
+                                 ScaleCodes scale_codes = ScaleCodes::kRealistic) {
   std::vector<uint8_t> codes(static_cast<size_t>(out * in / 2));
   std::vector<uint8_t> scales(static_cast<size_t>(out * in / 16));
   for (auto& b : codes) b = static_cast<uint8_t>(rng());
@@ -27,7 +33,8 @@ inline Nvfp4Linear random_linear(std::mt19937& rng, int64_t out, int64_t in) {
     const int level = row_level(rng);
     for (int64_t b = 0; b < in / 16; ++b) {
       const float v = std::ldexp(1.0f + (rng() % 8) / 8.0f, level + spread(rng));
-      scales[static_cast<size_t>(r * (in / 16) + b)] = format::f32_to_e4m3(v);
+      scales[static_cast<size_t>(r * (in / 16) + b)] =
+          scale_codes == ScaleCodes::kEveryCode ? static_cast<uint8_t>(rng() % 0x7F) : format::f32_to_e4m3(v);
     }
   }
   std::uniform_real_distribution<float> s2(0.5f, 2.0f);
@@ -36,7 +43,8 @@ inline Nvfp4Linear random_linear(std::mt19937& rng, int64_t out, int64_t in) {
 }
 
 inline MoeLayer random_layer(std::mt19937& rng, int64_t H, int64_t I, int64_t E, int top_k,
-                             int64_t shared_I = 0, std::optional<float> limit = std::nullopt) {
+                             int64_t shared_I = 0, std::optional<float> limit = std::nullopt,
+                             ScaleCodes scale_codes = ScaleCodes::kRealistic) {
   MoeLayer layer;
   layer.hidden_size = H;
   layer.intermediate_size = I;
@@ -44,7 +52,8 @@ inline MoeLayer random_layer(std::mt19937& rng, int64_t H, int64_t I, int64_t E,
   layer.routing.top_k = top_k;
   layer.swiglu_limit = limit;
   for (int64_t e = 0; e < E; ++e) {
-    layer.experts.push_back({random_linear(rng, I, H), random_linear(rng, I, H), random_linear(rng, H, I)});
+    layer.experts.push_back({random_linear(rng, I, H, scale_codes), random_linear(rng, I, H, scale_codes),
+                             random_linear(rng, H, I, scale_codes)});
   }
   if (shared_I > 0) {
     layer.shared_expert = ExpertWeights{random_linear(rng, shared_I, H), random_linear(rng, shared_I, H),

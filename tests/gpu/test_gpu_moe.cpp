@@ -56,6 +56,7 @@ struct Case {
   int64_t shared_I = 0;
   std::optional<float> limit = std::nullopt;
   int only_expert = -1;
+  testing::ScaleCodes scale_codes = testing::ScaleCodes::kRealistic;
 };
 
 // gtest prints parameters in test names and failures: name the case instead of dumping bytes.
@@ -66,7 +67,7 @@ void check_case(const Case& c, bool deterministic) {
   SCOPED_TRACE(::testing::Message() << c.name << " H=" << c.H << " I=" << c.I << " E=" << c.E
                                     << " k=" << c.k << " T=" << c.T << " seed=" << seed);
   std::mt19937 rng(seed);
-  const MoeLayer layer = testing::random_layer(rng, c.H, c.I, c.E, c.k, c.shared_I, c.limit);
+  const MoeLayer layer = testing::random_layer(rng, c.H, c.I, c.E, c.k, c.shared_I, c.limit, c.scale_codes);
   const auto hidden = testing::random_hidden(rng, c.T, c.H);
   const auto topk = testing::random_topk(rng, c.T, c.E, c.k, c.only_expert);
   GpuMoe gpu(layer, c.T, deterministic);
@@ -110,7 +111,14 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"deepseek_v3_shape", 7168, 2048, 4, 2, 3, 2048},
         Case{"deepseek_v4_flash_shape", 4096, 2048, 4, 2, 3, 2048, 10.0f},
         Case{"qwen3_235b_shape", 4096, 1536, 8, 8, 5},
-        Case{"qwen3_30b_shape", 2048, 768, 16, 8, 64}),
+        Case{"qwen3_30b_shape", 2048, 768, 16, 8, 64},
+        // Zero scales over nonzero codes, subnormal and maximal scales, in each mainloop.
+        Case{"every_scale_code_decode", 512, 256, 8, 2, 5, 256, std::nullopt, -1,
+             testing::ScaleCodes::kEveryCode},
+        Case{"every_scale_code_middle", 512, 256, 8, 2, 100, 0, std::nullopt, -1,
+             testing::ScaleCodes::kEveryCode},
+        Case{"every_scale_code_prefill", 512, 256, 8, 2, 600, 0, std::nullopt, -1,
+             testing::ScaleCodes::kEveryCode}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 TEST(GpuMoe, ZeroTokensIsANoOp) {

@@ -77,17 +77,4 @@ __device__ __forceinline__ float2 ue4m3x2_to_float2(uint16_t two) {
   return __half22float2(*reinterpret_cast<__half2*>(&h));
 }
 
-// A scale as a bf16x2 register holding it twice (both halves multiply by the same block scale).
-// Exact: every ue4m3 value has 4 significant bits and lies inside bf16's normal range.
-__device__ __forceinline__ uint32_t bf16x2_splat(float v) {
-  const __nv_bfloat162 b = __float2bfloat162_rn(v);
-  return *reinterpret_cast<const uint32_t*>(&b);
-}
-
-__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
-  __nv_bfloat162 r = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a),
-                             *reinterpret_cast<const __nv_bfloat162*>(&b));
-  return *reinterpret_cast<uint32_t*>(&r);
-}
-
 }  // namespace megamoe::kernels

@@ -14,8 +14,8 @@
 
 #include <cute/arch/mma_sm90_gmma.hpp>
 
-#include "kernels/common/nvfp4_decode.cuh"
 #include "kernels/common/pdl.cuh"
+#include "kernels/sm90/sm90_w4a16_decode.cuh"
 #include "kernels/sm90/sm90_w4a16_layout.h"
 
 namespace megamoe::kernels::sm90 {
@@ -78,6 +78,8 @@ __device__ __forceinline__ void wgmma_rs(const uint32_t (&a)[4], uint64_t desc_b
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+template <int kPending>  // waits until at most kPending committed wgmma groups are in flight
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(kPending) : "memory"); }
 template <class T>
 __device__ __forceinline__ void keep_in_register(T& r) {
   if constexpr (sizeof(T) == 4) asm volatile("" : "+r"(*reinterpret_cast<uint32_t*>(&r)) :: "memory");
@@ -96,10 +98,9 @@ __device__ __forceinline__ uint64_t make_sw128_desc(const void* smem) {
   return desc;
 }
 
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+__device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem, bool valid) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-               :: "r"(dst), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
+               :: "r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
@@ -114,6 +115,86 @@ __device__ __noinline__ void zero_grid_stride(float* dst, int64_t count) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < count / 4;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     reinterpret_cast<float4*>(dst)[i] = zero;
+  }
+}
+
+// One work item of the persistent schedule: (expert, m-block, k-split, n-tile), from the
+// dispatch kernel's per-expert prefix of work items.
+struct WorkItem {
+  int expert, m_block, k_split, slot_begin, slot_end;
+};
+template <int kBlockN>
+__device__ __forceinline__ WorkItem decode_work(const W4a16GemmParams& p, int work) {
+  // Find the expert whose tile range holds `work` (binary search over the prefix).
+  int lo = 0, hi = p.num_experts;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (p.tile_offsets[mid] <= work) lo = mid; else hi = mid;
+  }
+  WorkItem w;
+  w.expert = lo;
+  // Consecutive work items share an m-block (the same weights) across n-tiles, so CTAs that
+  // run together hit the same weight bytes in L2.
+  // Work index within the expert: ((m_block * k_splits) + k_split) * n_tiles + n_tile.
+  const int local = work - p.tile_offsets[lo];
+  const int n_tiles = (p.expert_offsets[lo + 1] - p.expert_offsets[lo] + kBlockN - 1) / kBlockN;
+  const int n_tile = local % n_tiles;
+  w.k_split = (local / n_tiles) % p.k_splits;
+  w.m_block = local / n_tiles / p.k_splits;
+  w.slot_begin = p.expert_offsets[lo] + n_tile * kBlockN;
+  w.slot_end = p.expert_offsets[lo + 1];
+  return w;
+}
+
+// Epilogue of one warpgroup's (64, BLOCK_N) tile m_tile.
+// acc[4i + 2h + c] = (row r0 + 8h, column 8i + 2t + c), r0 = 16 * warp + g.
+template <bool kIsL1, int kBlockN>
+__device__ __forceinline__ void store_tile(const W4a16GemmParams& p, const float (&acc)[kBlockN / 2],
+                                           const WorkItem& w, int m_tile, int warp, int g, int t) {
+  using namespace w4a16;
+  const int e = w.expert;
+  if constexpr (kIsL1) {
+    // The A operand carries 2^-8 (sm90_w4a16_layout.h); scaling s2 by 2^8 is exact and gives the
+    // same rounding as unscaling the accumulator first.
+    const float s2_gate = p.s2_a[e] * kAccumulatorUnscale, s2_up = p.s2_b[e] * kAccumulatorUnscale;
+    const int64_t col_j = w13_intermediate_column(m_tile, warp * 16 + g);
+#pragma unroll
+    for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int slot = w.slot_begin + 8 * i + 2 * t + c;
+        if (slot < w.slot_end) {
+          float gate = acc[4 * i + c] * s2_gate;
+          float up = acc[4 * i + 2 + c] * s2_up;
+          gate = fminf(gate, p.swiglu_limit);
+          up = fminf(fmaxf(up, -p.swiglu_limit), p.swiglu_limit);
+          p.act[static_cast<int64_t>(slot) * p.act_ld + col_j] = __float2bfloat16_rn(silu(gate) * up);
+        }
+      }
+    }
+  } else {
+    const float s2 = p.s2_a[e] * kAccumulatorUnscale;  // exact, see the L1 branch
+    const int64_t row0 = static_cast<int64_t>(m_tile) * kTileM + warp * 16 + g;
+#pragma unroll
+    for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int slot = w.slot_begin + 8 * i + 2 * t + c;
+        if (slot < w.slot_end) {
+          if (p.y_slot != nullptr) {
+            float* y = p.y_slot + static_cast<int64_t>(slot) * p.out_ld + row0;
+            y[0] = acc[4 * i + c] * s2;
+            y[8] = acc[4 * i + 2 + c] * s2;
+          } else {
+            // Same order as the semantics: y = acc * s2, then times the routing weight.
+            const float wt = p.slot_weight[slot];
+            float* o = p.out_acc + static_cast<int64_t>(p.slot_token[slot]) * p.out_ld + row0;
+            atomicAdd(o, (acc[4 * i + c] * s2) * wt);
+            atomicAdd(o + 8, (acc[4 * i + 2 + c] * s2) * wt);
+          }
+        }
+      }
+    }
   }
 }
 
@@ -150,13 +231,13 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
   // still knows the pointer is shared memory and emits LDS rather than generic loads.
   const uint32_t smem_misalign = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023u;
   uint8_t* smem = smem_raw + ((1024u - smem_misalign) & 1023u);
+  const uint32_t smem_u32 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 
   const int tid = threadIdx.x;
   const int wg = tid / kThreadsPerWarpgroup;   // which 64-row tile of the block
   const int wtid = tid % kThreadsPerWarpgroup; // thread in warpgroup
   const int warp = wtid / 32, lane = wtid % 32;
   const int g = lane / 4, t = lane % 4;
-  const E2m1Tables tab = load_e2m1_tables();
   allow_dependent_launch();
   grid_dependency_wait();  // the dispatch (L1) or L1 (L2) results are complete from here on
   if constexpr (kIsL1) {
@@ -165,30 +246,26 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
   const int total_work = p.tile_offsets[p.num_experts];
 
   for (int work = blockIdx.x; work < total_work; work += gridDim.x) {
-    // Find the expert whose tile range holds `work` (binary search over the prefix).
-    int lo = 0, hi = p.num_experts;
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) / 2;
-      if (p.tile_offsets[mid] <= work) lo = mid; else hi = mid;
-    }
-    const int e = lo;
-    // Consecutive work items share an m-block (the same weights) across n-tiles, so CTAs that
-    // run together hit the same weight bytes in L2.
-    // Work index within the expert: ((m_block * k_splits) + k_split) * n_tiles + n_tile.
-    const int local = work - p.tile_offsets[e];
-    const int n_tiles = (p.expert_offsets[e + 1] - p.expert_offsets[e] + kBlockN - 1) / kBlockN;
-    const int n_tile = local % n_tiles;
-    const int k_split = (local / n_tiles) % p.k_splits;
-    const int m_block = local / n_tiles / p.k_splits;
-    const int slot_begin = p.expert_offsets[e] + n_tile * kBlockN;
-    const int slot_end = p.expert_offsets[e + 1];
+    const detail::WorkItem w = detail::decode_work<kBlockN>(p, work);
+    const int e = w.expert, k_split = w.k_split, m_block = w.m_block;
+    const int slot_begin = w.slot_begin, slot_end = w.slot_end;
     const int m_tile = m_block * kWarpgroups + wg;
 
-    // B pieces this thread copies every chunk: (BLOCK_N rows, 8 x 16 bytes), a fixed set per
-    // thread so the per-chunk copy is straight-line code. Piece c of row r lands at c ^ (r % 8)
-    // (128-byte swizzle). Rows past the expert's slots are zero-filled (src-size 0).
+    // Per-thread copy streams, set up once per work item and advanced by a constant stride per
+    // chunk, so the per-chunk copy is three cp.async and a few adds (recomputing 64-bit addresses
+    // from (expert, tile, chunk) cost ~25 instructions per chunk in a loop that is issue-bound).
+    //   A: each thread copies its own 16 code bytes of the (64, 64) tile; 16 threads per
+    //      warpgroup copy the tile's 256 scale bytes.
+    //   B: (BLOCK_N rows, 8 x 16 bytes) pieces, a fixed set per thread; piece c of row r lands at
+    //      c ^ (r % 8) (128-byte swizzle). Rows past the expert's slots are zero-filled (src-size 0).
     constexpr int kPieces = kBlockN * 8 / kThreads;
     static_assert(kBlockN * 8 % kThreads == 0, "BLOCK_N * 8 must be a multiple of the thread count");
+    const int k_begin = k_split * p.k_chunks_per_split;
+    const int k_end = min(k_begin + p.k_chunks_per_split, p.k_chunks);
+    const int64_t a_tile0 = static_cast<int64_t>(m_block * kWarpgroups + wg) * p.k_chunks + k_begin;
+    const uint8_t* code_src = p.codes + e * p.code_expert_stride + a_tile0 * kCodeBytesPerTile + wtid * 16;
+    const uint8_t* scale_src = p.scales + e * p.scale_expert_stride + a_tile0 * kScaleBytesPerTile + wtid * 16;
+    const bool copies_scales = wtid < kScaleBytesPerTile / 16;
     const char* b_src[kPieces];
     uint32_t b_dst[kPieces];
     bool b_valid[kPieces];
@@ -199,34 +276,24 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
       const int slot = slot_begin + r;
       b_valid[j] = slot < slot_end;
       const int64_t src_row = !b_valid[j] ? 0 : (kIsL1 ? p.slot_token[slot] : slot);
-      b_src[j] = reinterpret_cast<const char*>(p.b_src + src_row * p.b_ld + c * 8);
-      b_dst[j] = r * 128 + ((c ^ (r & 7)) * 16);
+      b_src[j] = reinterpret_cast<const char*>(p.b_src + src_row * p.b_ld + k_begin * kChunkK + c * 8);
+      b_dst[j] = smem_u32 + Smem::kBOffset + r * 128 + ((c ^ (r & 7)) * 16);
     }
+    const uint32_t code_dst = smem_u32 + Smem::kCodeOffset + wg * kCodeBytesPerTile + wtid * 16;
+    const uint32_t scale_dst = smem_u32 + Smem::kScaleOffset + wg * kScaleBytesPerTile + wtid * 16;
     __syncthreads();  // the previous work item is done with every stage
 
-    const uint8_t* codes = p.codes + e * p.code_expert_stride +
-                           static_cast<int64_t>(m_block * kWarpgroups) * p.k_chunks * kCodeBytesPerTile;
-    const uint8_t* scales = p.scales + e * p.scale_expert_stride +
-                            static_cast<int64_t>(m_block * kWarpgroups) * p.k_chunks * kScaleBytesPerTile;
-
-    auto load_chunk = [&](int kc, int stage) {
-      // A: each thread copies its own 16 code bytes; 16 threads per warpgroup copy the scales.
-      {
-        const uint8_t* src = codes + (static_cast<int64_t>(wg) * p.k_chunks + kc) * kCodeBytesPerTile + wtid * 16;
-        detail::cp_async_16(smem + Smem::kCodeOffset + stage * Smem::kCodeStageBytes +
-                                wg * kCodeBytesPerTile + wtid * 16, src, true);
-        if (wtid < kScaleBytesPerTile / 16) {
-          const uint8_t* ssrc = scales + (static_cast<int64_t>(wg) * p.k_chunks + kc) * kScaleBytesPerTile + wtid * 16;
-          detail::cp_async_16(smem + Smem::kScaleOffset + stage * Smem::kScaleStageBytes +
-                                  wg * kScaleBytesPerTile + wtid * 16, ssrc, true);
-        }
-      }
-      // B: (BLOCK_N, 64) bf16 chunk kc of the token rows.
-      uint8_t* b_stage = smem + Smem::kBOffset + stage * Smem::kBTileBytes;
+    // Copies the next chunk into `stage` and advances the streams.
+    auto load_next = [&](uint32_t stage) {
+      detail::cp_async_16(code_dst + stage * Smem::kCodeStageBytes, code_src, true);
+      if (copies_scales) detail::cp_async_16(scale_dst + stage * Smem::kScaleStageBytes, scale_src, true);
 #pragma unroll
       for (int j = 0; j < kPieces; ++j) {
-        detail::cp_async_16(b_stage + b_dst[j], b_src[j] + kc * kChunkK * 2, b_valid[j]);
+        detail::cp_async_16(b_dst[j] + stage * Smem::kBTileBytes, b_src[j], b_valid[j]);
+        b_src[j] += kChunkK * 2;
       }
+      code_src += kCodeBytesPerTile;
+      scale_src += kScaleBytesPerTile;
     };
 
     float acc[kAcc];
@@ -241,11 +308,15 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     // there, while wide tiles need those registers for accumulators.
     constexpr int kGroup = kBlockN <= 16 ? 2 : 1;
     static_assert(kStages >= 2 * kGroup, "need kStages >= 2 * kGroup: a group computing, a group landing");
-    const int k_begin = k_split * p.k_chunks_per_split;
-    const int k_end = min(k_begin + p.k_chunks_per_split, p.k_chunks);
+    int next_load = k_begin;   // next chunk to copy
+    uint32_t load_stage = 0;   // its stage
 #pragma unroll
     for (int s = 0; s < kStages - kGroup; ++s) {
-      if (k_begin + s < k_end) load_chunk(k_begin + s, s);
+      if (next_load < k_end) {
+        load_next(load_stage);
+        ++next_load;
+        load_stage = load_stage + 1 == kStages ? 0 : load_stage + 1;
+      }
       detail::cp_async_commit();
     }
 
@@ -253,36 +324,34 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     // one wgmma round trip per group instead of per chunk. No control flow between the wgmmas
     // and no A producer overlapping an in-flight group, either of which makes ptxas serialise or
     // inject warpgroup arrives (C7513/C7519).
-    auto compute_chunks = [&](auto chunk_count, int kc) {
+    uint32_t compute_stage = 0;
+    auto compute_chunks = [&](auto chunk_count) {
       constexpr int kChunks = decltype(chunk_count)::value;
       uint32_t a[kChunks][kStepsPerChunk][4];
+      uint32_t stages[kChunks];
 #pragma unroll
       for (int j = 0; j < kChunks; ++j) {
-        const uint32_t stage = static_cast<uint32_t>(kc + j - k_begin) % kStages;
+        stages[j] = compute_stage;
+        compute_stage = compute_stage + 1 == kStages ? 0 : compute_stage + 1;
+      }
+#pragma unroll
+      for (int j = 0; j < kChunks; ++j) {
         const uint4 q = *reinterpret_cast<const uint4*>(
-            smem + Smem::kCodeOffset + stage * Smem::kCodeStageBytes + wg * kCodeBytesPerTile + wtid * 16);
+            smem + Smem::kCodeOffset + stages[j] * Smem::kCodeStageBytes + wg * kCodeBytesPerTile + wtid * 16);
         const uint2 sc = *reinterpret_cast<const uint2*>(
-            smem + Smem::kScaleOffset + stage * Smem::kScaleStageBytes + wg * kScaleBytesPerTile + (warp * 8 + g) * 8);
+            smem + Smem::kScaleOffset + stages[j] * Smem::kScaleStageBytes + wg * kScaleBytesPerTile + (warp * 8 + g) * 8);
         const uint32_t words[4] = {q.x, q.y, q.z, q.w};
         const uint32_t scale_pairs[2] = {sc.x, sc.y};
 #pragma unroll
         for (int s = 0; s < kStepsPerChunk; ++s) {
-          // (scale of row r0, scale of row r0 + 8) for k-block s of this chunk.
-          const float2 sf = ue4m3x2_to_float2(static_cast<uint16_t>(scale_pairs[s / 2] >> (16 * (s % 2))));
-          const uint32_t s_r0 = bf16x2_splat(sf.x), s_r1 = bf16x2_splat(sf.y);
-          uint32_t v[4];
-          decode_e2m1x8(words[s], tab, v);
-          a[j][s][0] = bf16x2_mul(v[0], s_r0);  // (r0, k 2t..2t+1)
-          a[j][s][1] = bf16x2_mul(v[1], s_r1);  // (r1, k 2t..2t+1)
-          a[j][s][2] = bf16x2_mul(v[2], s_r0);  // (r0, k 2t+8..2t+9)
-          a[j][s][3] = bf16x2_mul(v[3], s_r1);  // (r1, k 2t+8..2t+9)
+          // Scales (row r0, row r0 + 8) of k-block s of this chunk.
+          decode_step(words[s], static_cast<uint16_t>(scale_pairs[s / 2] >> (16 * (s % 2))), a[j][s]);
         }
       }
       detail::wgmma_fence();
 #pragma unroll
       for (int j = 0; j < kChunks; ++j) {
-        const uint32_t stage = static_cast<uint32_t>(kc + j - k_begin) % kStages;
-        const uint64_t desc = detail::make_sw128_desc(smem + Smem::kBOffset + stage * Smem::kBTileBytes);
+        const uint64_t desc = detail::make_sw128_desc(smem + Smem::kBOffset + stages[j] * Smem::kBTileBytes);
 #pragma unroll
         for (int s = 0; s < kStepsPerChunk; ++s) {
           // k16 step s starts 32 bytes further along the swizzled 128-byte rows.
@@ -313,64 +382,26 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
       __syncthreads();  // this group visible to all; everyone is done with the previous group
 #pragma unroll
       for (int j = 0; j < kGroup; ++j) {
-        const int next = kc + kStages - kGroup + j;
-        if (next < k_end) load_chunk(next, static_cast<uint32_t>(next - k_begin) % kStages);
+        if (next_load < k_end) {
+          load_next(load_stage);
+          ++next_load;
+          load_stage = load_stage + 1 == kStages ? 0 : load_stage + 1;
+        }
         detail::cp_async_commit();
       }
-      compute_chunks(std::integral_constant<int, kGroup>{}, kc);
+      compute_chunks(std::integral_constant<int, kGroup>{});
     }
     static_assert(kGroup <= 2, "the tail below handles at most one leftover chunk");
     if constexpr (kGroup == 2) {
       if (kc < k_end) {  // an odd chunk count: the last chunk is already in flight
         detail::cp_async_wait<0>();
         __syncthreads();
-        compute_chunks(std::integral_constant<int, 1>{}, kc);
+        compute_chunks(std::integral_constant<int, 1>{});
       }
     }
     detail::cp_async_wait<0>();
 
-    // Epilogue. acc[4i + 2h + c] = (row r0 + 8h, column 8i + 2t + c).
-    if constexpr (kIsL1) {
-      const float s2_gate = p.s2_a[e], s2_up = p.s2_b[e];
-      const int64_t col_j = w13_intermediate_column(m_tile, warp * 16 + g);
-#pragma unroll
-      for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int slot = slot_begin + 8 * i + 2 * t + c;
-          if (slot < slot_end) {
-            float gate = acc[4 * i + c] * s2_gate;
-            float up = acc[4 * i + 2 + c] * s2_up;
-            gate = fminf(gate, p.swiglu_limit);
-            up = fminf(fmaxf(up, -p.swiglu_limit), p.swiglu_limit);
-            p.act[static_cast<int64_t>(slot) * p.act_ld + col_j] = __float2bfloat16_rn(detail::silu(gate) * up);
-          }
-        }
-      }
-    } else {
-      const float s2 = p.s2_a[e];
-      const int64_t row0 = static_cast<int64_t>(m_tile) * kTileM + warp * 16 + g;
-#pragma unroll
-      for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int slot = slot_begin + 8 * i + 2 * t + c;
-          if (slot < slot_end) {
-            if (p.y_slot != nullptr) {
-              float* y = p.y_slot + static_cast<int64_t>(slot) * p.out_ld + row0;
-              y[0] = acc[4 * i + c] * s2;
-              y[8] = acc[4 * i + 2 + c] * s2;
-            } else {
-              // Same order as the semantics: y = acc * s2, then times the routing weight.
-              const float w = p.slot_weight[slot];
-              float* o = p.out_acc + static_cast<int64_t>(p.slot_token[slot]) * p.out_ld + row0;
-              atomicAdd(o, (acc[4 * i + c] * s2) * w);
-              atomicAdd(o + 8, (acc[4 * i + 2 + c] * s2) * w);
-            }
-          }
-        }
-      }
-    }
+    detail::store_tile<kIsL1, kBlockN>(p, acc, w, m_tile, warp, g, t);
   }
 }
 

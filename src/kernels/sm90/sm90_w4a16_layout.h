@@ -8,14 +8,30 @@
 //     a0,a1 = (row r0, k 2t, 2t+1)    a2,a3 = (row r1, k 2t, 2t+1)
 //     a4,a5 = (row r0, k 2t+8, 2t+9)  a6,a7 = (row r1, k 2t+8, 2t+9),  r0 = 16w + g, r1 = r0 + 8.
 // Prepacking is a reshuffle of the checkpoint's nibbles and scale bytes (same bits, nothing
-// converted) so that:
+// converted: code bits move, scale bytes move; a block with scale 0 stores codes 0) so that:
 //   * one 16-byte load gives a thread its codes for 4 k16 steps (one 64-wide K chunk); the 128
 //     threads of a warpgroup read one contiguous 2 KiB block per (64-row tile, K chunk);
-//   * word s of those 16 bytes holds the step-s codes with nibble p = element a_p, so that
-//     decode_e2m1x8, which produces register j = {nibble 2j, nibble 2j+1}, yields the A
-//     fragment registers in order;
+//   * word s of those 16 bytes holds the step-s codes of elements a_0..a_7, their bits placed
+//     (below) so that the bf16x2 A register j = {a_2j, a_2j+1} is one mask of a shifted word:
+//     the decode costs ~1.4 integer-pipe instructions per 2 weights instead of ~3.75 (the
+//     integer pipe, half rate on sm_90, is what bounds the decode regime);
 //   * the 8 scale bytes a thread needs per chunk (rows r0, r1 x 4 steps) are contiguous, shared
 //     by the 4 threads of a quad: byte 2s + h = scale(row r0 + 8h, k-block 4*chunk + s).
+//
+// Code bit placement. An e2m1 code is (sign, e1, e0, m). Placing (e1, e0, m) at bf16 bits 8, 7, 6
+// and the sign at bit 15 makes the bf16 value exactly e2m1 * 2^-126 for all 16 codes (code 1, 0.5,
+// becomes the subnormal 2^-127); the mainloop multiplies by the block scale times 2^118 (exact,
+// normal), so the A operand is e2m1 * scale * 2^-8 and the epilogue multiplies by 2^8.
+// In a step word, element a_p = lane h = p % 2 (16 * h added to every position) of register
+// j = p / 2 has its bits (m, e0, e1, sign) at:
+//     j = 0: (0, 1, 2, 9)     -> register = (word << 6) & 0x81C081C0
+//     j = 1: (3, 4, 5, 12)    -> register = (word << 3) & 0x81C081C0
+//     j = 2: (6, 7, 8, 15)    -> register =  word       & 0x81C081C0
+//     j = 3: (10, 11, 13, 14) -> register = (word >> 4) & 0x00C000C0 | (word >> 5) & 0x01000100
+//                                           | (word << 1) & 0x80008000
+// (translates of one pattern cannot tile 16 bits, hence the odd fourth register).
+// A block whose scale is 0 stores codes 0 (its weights are 0 whatever the codes), so that the
+// mainloop's scale conversion need not special-case a zero scale.
 #pragma once
 
 #include <cstdint>
@@ -43,5 +59,15 @@ constexpr int64_t w13_intermediate_column(int64_t m_tile, int local_row) {
   return m_tile * kW13ColumnsPerTile + 8 * (local_row / 16) + (local_row % 8);
 }
 constexpr bool w13_is_up_row(int local_row) { return (local_row % 16) >= 8; }
+
+// Bit position in its step word of bit b (0: m, 1: e0, 2: e1, 3: sign) of element a_p's code.
+constexpr int code_bit_position(int p, int b) {
+  constexpr int kRegisterBits[4][4] = {{0, 1, 2, 9}, {3, 4, 5, 12}, {6, 7, 8, 15}, {10, 11, 13, 14}};
+  return kRegisterBits[p / 2][b] + 16 * (p % 2);
+}
+// The A operand carries a factor 2^-8 (see above): the epilogue multiplies accumulators by this.
+inline constexpr float kAccumulatorUnscale = 256.0f;
+// bf16x2 of (block scale * 2^118) from the f16x2 of the block scale: (f16 >> 3) + this.
+inline constexpr uint32_t kScaleF16ToBf16Times2Pow118 = (112u + 118u) << 7 | ((112u + 118u) << 7) << 16;
 
 }  // namespace megamoe::kernels::sm90::w4a16
