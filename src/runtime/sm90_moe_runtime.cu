@@ -10,7 +10,6 @@
 #include "kernels/sm90/sm90_moe_combine.cuh"
 #include "kernels/sm90/sm90_moe_dispatch.cuh"
 #include "kernels/sm90/sm90_w4a16_grouped_gemm.cuh"
-#include "kernels/sm90/sm90_w4a16_ws_grouped_gemm.cuh"
 #include "megamoe/gpu.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
@@ -302,7 +301,6 @@ int prepare_kernel(Kernel* kernel, int threads, int smem_bytes) {
   return std::max(n, 1);
 }
 
-// The cooperative cp.async mainloop (middle and prefill tiles).
 template <bool kIsL1, int kWG, int kBN, int kStages, int kMinBlocksPerSm>
 void launch_gemm(const k90::W4a16GemmParams& params, int num_sms, int64_t max_work, cudaStream_t stream) {
   using Smem = k90::W4a16SmemLayout<kWG, kBN, kStages>;
@@ -312,16 +310,6 @@ void launch_gemm(const k90::W4a16GemmParams& params, int num_sms, int64_t max_wo
   launch_dependent(kernel, static_cast<unsigned>(grid), kWG * 128, Smem::kAllocBytes, stream, params);
 }
 
-// The warp-specialised decode mainloop (one consumer warpgroup + a producer warp).
-template <bool kIsL1, int kBN, int kStages, int kMinBlocksPerSm>
-void launch_ws_gemm(const k90::W4a16GemmParams& params, int num_sms, int64_t max_work, cudaStream_t stream) {
-  using Smem = k90::W4a16WsSmemLayout<kBN, kStages>;
-  auto* kernel = &k90::w4a16_ws_grouped_gemm_kernel<kIsL1, kBN, kStages, kMinBlocksPerSm>;
-  static const int blocks_per_sm = prepare_kernel(kernel, k90::kWsThreads, Smem::kAllocBytes);
-  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(int64_t{num_sms} * blocks_per_sm, max_work));
-  launch_dependent(kernel, static_cast<unsigned>(grid), k90::kWsThreads, Smem::kAllocBytes, stream, params);
-}
-
 // The whitelist of instantiations (keeps the build in minutes): see sm90_moe_heuristics.cpp.
 template <bool kIsL1>
 void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params, int num_sms,
@@ -329,7 +317,7 @@ void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params,
   MEGAMOE_CHECK(c.k_splits >= 1 && (c.k_splits == 1 || (!kIsL1 && params.y_slot == nullptr)), kInternal,
                 "GEMM config ", c.to_string(), ": only the atomic L2 may split K");
   if (c.warpgroups == 1 && c.block_n == 16 && c.stages == 8) {
-    launch_ws_gemm<kIsL1, 16, 8, 4>(params, num_sms, max_work, stream);
+    launch_gemm<kIsL1, 1, 16, 8, 1>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 1 && c.block_n == 64 && c.stages == 6) {
     launch_gemm<kIsL1, 1, 64, 6, 1>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 2 && c.block_n == 128 && c.stages == 4) {

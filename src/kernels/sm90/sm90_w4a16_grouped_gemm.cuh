@@ -78,8 +78,6 @@ __device__ __forceinline__ void wgmma_rs(const uint32_t (&a)[4], uint64_t desc_b
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-template <int kPending>  // waits until at most kPending committed wgmma groups are in flight
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(kPending) : "memory"); }
 template <class T>
 __device__ __forceinline__ void keep_in_register(T& r) {
   if constexpr (sizeof(T) == 4) asm volatile("" : "+r"(*reinterpret_cast<uint32_t*>(&r)) :: "memory");
@@ -105,6 +103,16 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+
+// Calls f(std::integral_constant<int, i>) for i = 0 .. N-1 (compile-time indices).
+template <int N, class F, int... I>
+__device__ __forceinline__ void static_for_impl(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+template <int N, class F>
+__device__ __forceinline__ void static_for(F&& f) {
+  static_for_impl<N>(f, std::make_integer_sequence<int, N>{});
+}
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
@@ -247,22 +255,25 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
 
   for (int work = blockIdx.x; work < total_work; work += gridDim.x) {
     const detail::WorkItem w = detail::decode_work<kBlockN>(p, work);
-    const int e = w.expert, k_split = w.k_split, m_block = w.m_block;
+    const int e = w.expert, m_block = w.m_block;
     const int slot_begin = w.slot_begin, slot_end = w.slot_end;
     const int m_tile = m_block * kWarpgroups + wg;
 
-    // Per-thread copy streams, set up once per work item and advanced by a constant stride per
-    // chunk, so the per-chunk copy is three cp.async and a few adds (recomputing 64-bit addresses
-    // from (expert, tile, chunk) cost ~25 instructions per chunk in a loop that is issue-bound).
+    // Per-thread copy streams. The K loop below is unrolled over the kStages stages, so every
+    // stage index is a compile-time constant: shared-memory addresses and the global offsets of
+    // chunks within a round of kStages are immediates, and the only per-round arithmetic is one
+    // pointer advance per stream (the integer pipes bound this loop; recomputing addresses per
+    // chunk cost ~35 instructions per chunk).
     //   A: each thread copies its own 16 code bytes of the (64, 64) tile; 16 threads per
     //      warpgroup copy the tile's 256 scale bytes.
     //   B: (BLOCK_N rows, 8 x 16 bytes) pieces, a fixed set per thread; piece c of row r lands at
     //      c ^ (r % 8) (128-byte swizzle). Rows past the expert's slots are zero-filled (src-size 0).
     constexpr int kPieces = kBlockN * 8 / kThreads;
     static_assert(kBlockN * 8 % kThreads == 0, "BLOCK_N * 8 must be a multiple of the thread count");
-    const int k_begin = k_split * p.k_chunks_per_split;
-    const int k_end = min(k_begin + p.k_chunks_per_split, p.k_chunks);
+    const int k_begin = w.k_split * p.k_chunks_per_split;
+    const int n = min(p.k_chunks_per_split, p.k_chunks - k_begin);  // chunks of this work item
     const int64_t a_tile0 = static_cast<int64_t>(m_block * kWarpgroups + wg) * p.k_chunks + k_begin;
+    // Sources of chunk 0 of the current round; chunk i of the round is at + i * (chunk stride).
     const uint8_t* code_src = p.codes + e * p.code_expert_stride + a_tile0 * kCodeBytesPerTile + wtid * 16;
     const uint8_t* scale_src = p.scales + e * p.scale_expert_stride + a_tile0 * kScaleBytesPerTile + wtid * 16;
     const bool copies_scales = wtid < kScaleBytesPerTile / 16;
@@ -281,19 +292,23 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     }
     const uint32_t code_dst = smem_u32 + Smem::kCodeOffset + wg * kCodeBytesPerTile + wtid * 16;
     const uint32_t scale_dst = smem_u32 + Smem::kScaleOffset + wg * kScaleBytesPerTile + wtid * 16;
+    // Shared-memory reads of the consumers (stage 0; stage s adds a constant).
+    const uint8_t* code_lds = smem + Smem::kCodeOffset + wg * kCodeBytesPerTile + wtid * 16;
+    const uint8_t* scale_lds = smem + Smem::kScaleOffset + wg * kScaleBytesPerTile + (warp * 8 + g) * 8;
     __syncthreads();  // the previous work item is done with every stage
 
-    // Copies the next chunk into `stage` and advances the streams.
-    auto load_next = [&](uint32_t stage) {
-      detail::cp_async_16(code_dst + stage * Smem::kCodeStageBytes, code_src, true);
-      if (copies_scales) detail::cp_async_16(scale_dst + stage * Smem::kScaleStageBytes, scale_src, true);
+    // Copies chunk (round base + kOffset) into stage kOffset % kStages; kOffset < 2 * kStages.
+    auto load = [&](auto offset) {
+      constexpr int kOffset = decltype(offset)::value;
+      constexpr int kStage = kOffset % kStages;
+      detail::cp_async_16(code_dst + kStage * Smem::kCodeStageBytes, code_src + kOffset * kCodeBytesPerTile, true);
+      if (copies_scales) {
+        detail::cp_async_16(scale_dst + kStage * Smem::kScaleStageBytes, scale_src + kOffset * kScaleBytesPerTile, true);
+      }
 #pragma unroll
       for (int j = 0; j < kPieces; ++j) {
-        detail::cp_async_16(b_dst[j] + stage * Smem::kBTileBytes, b_src[j], b_valid[j]);
-        b_src[j] += kChunkK * 2;
+        detail::cp_async_16(b_dst[j] + kStage * Smem::kBTileBytes, b_src[j] + kOffset * kChunkK * 2, b_valid[j]);
       }
-      code_src += kCodeBytesPerTile;
-      scale_src += kScaleBytesPerTile;
     };
 
     float acc[kAcc];
@@ -302,44 +317,30 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
 
     // Pipeline: chunks are consumed kGroup at a time per barrier (amortising the barrier, the
     // waits and the wgmma round trip), with kStages - kGroup chunks of copies in flight
-    // ahead of the group being computed. Every iteration commits exactly kGroup cp.async groups
+    // ahead of the group being computed. Every group commits exactly kGroup cp.async groups
     // (some empty at the end of K), so the number allowed to stay pending is a constant.
     // Decode tiles (narrow N) pair chunks: the A fragments of two chunks fit the register budget
     // there, while wide tiles need those registers for accumulators.
     constexpr int kGroup = kBlockN <= 16 ? 2 : 1;
-    static_assert(kStages >= 2 * kGroup, "need kStages >= 2 * kGroup: a group computing, a group landing");
-    int next_load = k_begin;   // next chunk to copy
-    uint32_t load_stage = 0;   // its stage
-#pragma unroll
-    for (int s = 0; s < kStages - kGroup; ++s) {
-      if (next_load < k_end) {
-        load_next(load_stage);
-        ++next_load;
-        load_stage = load_stage + 1 == kStages ? 0 : load_stage + 1;
-      }
+    static_assert(kStages >= 2 * kGroup && kStages % kGroup == 0,
+                  "need kStages >= 2 * kGroup (a group computing, a group landing), a multiple of kGroup");
+    detail::static_for<kStages - kGroup>([&](auto s) {
+      if (static_cast<int>(decltype(s)::value) < n) load(s);
       detail::cp_async_commit();
-    }
+    });
 
-    // Decodes kChunks consecutive chunks (all landed), then issues their wgmmas and waits once:
-    // one wgmma round trip per group instead of per chunk. No control flow between the wgmmas
-    // and no A producer overlapping an in-flight group, either of which makes ptxas serialise or
-    // inject warpgroup arrives (C7513/C7519).
-    uint32_t compute_stage = 0;
-    auto compute_chunks = [&](auto chunk_count) {
+    // Decodes kChunks consecutive chunks from stages kFirstStage.. (all landed), then issues
+    // their wgmmas and waits once: one wgmma round trip per group instead of per chunk. No
+    // control flow between the wgmmas and no A producer overlapping an in-flight group, either
+    // of which makes ptxas serialise or inject warpgroup arrives (C7513/C7519).
+    auto compute_chunks = [&](auto chunk_count, auto first_stage) {
       constexpr int kChunks = decltype(chunk_count)::value;
+      constexpr int kFirstStage = decltype(first_stage)::value;
       uint32_t a[kChunks][kStepsPerChunk][4];
-      uint32_t stages[kChunks];
 #pragma unroll
       for (int j = 0; j < kChunks; ++j) {
-        stages[j] = compute_stage;
-        compute_stage = compute_stage + 1 == kStages ? 0 : compute_stage + 1;
-      }
-#pragma unroll
-      for (int j = 0; j < kChunks; ++j) {
-        const uint4 q = *reinterpret_cast<const uint4*>(
-            smem + Smem::kCodeOffset + stages[j] * Smem::kCodeStageBytes + wg * kCodeBytesPerTile + wtid * 16);
-        const uint2 sc = *reinterpret_cast<const uint2*>(
-            smem + Smem::kScaleOffset + stages[j] * Smem::kScaleStageBytes + wg * kScaleBytesPerTile + (warp * 8 + g) * 8);
+        const uint4 q = *reinterpret_cast<const uint4*>(code_lds + (kFirstStage + j) * Smem::kCodeStageBytes);
+        const uint2 sc = *reinterpret_cast<const uint2*>(scale_lds + (kFirstStage + j) * Smem::kScaleStageBytes);
         const uint32_t words[4] = {q.x, q.y, q.z, q.w};
         const uint32_t scale_pairs[2] = {sc.x, sc.y};
 #pragma unroll
@@ -351,7 +352,7 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
       detail::wgmma_fence();
 #pragma unroll
       for (int j = 0; j < kChunks; ++j) {
-        const uint64_t desc = detail::make_sw128_desc(smem + Smem::kBOffset + stages[j] * Smem::kBTileBytes);
+        const uint64_t desc = detail::make_sw128_desc(smem + Smem::kBOffset + (kFirstStage + j) * Smem::kBTileBytes);
 #pragma unroll
         for (int s = 0; s < kStepsPerChunk; ++s) {
           // k16 step s starts 32 bytes further along the swizzled 128-byte rows.
@@ -372,32 +373,40 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
       for (int i = 0; i < kAcc; ++i) detail::keep_in_register(acc[i]);
     };
 
-    int kc = k_begin;
-    for (; kc + kGroup <= k_end; kc += kGroup) {
-      detail::cp_async_wait<kStages - 2 * kGroup>();
-      // Completion of this thread's copies + the barrier publish the group to every thread and
-      // to wgmma. No proxy fence: it lowers to MEMBAR.ALL.CTA, which waits for every cp.async
-      // in flight and collapses the pipeline; CUTLASS's cp.async GMMA mainloops likewise hand
-      // cp.async stages to wgmma through a barrier alone.
-      __syncthreads();  // this group visible to all; everyone is done with the previous group
-#pragma unroll
-      for (int j = 0; j < kGroup; ++j) {
-        if (next_load < k_end) {
-          load_next(load_stage);
-          ++next_load;
-          load_stage = load_stage + 1 == kStages ? 0 : load_stage + 1;
+    // Rounds of kStages chunks; group q of a round computes stages [q * kGroup, (q + 1) * kGroup).
+    for (int base = 0; base < n; base += kStages) {
+      bool done = false;
+      detail::static_for<kStages / kGroup>([&](auto q) {
+        constexpr int kFirst = decltype(q)::value * kGroup;
+        const int c = base + kFirst;  // first chunk of this group
+        if (done || c >= n) {
+          done = true;
+          return;
         }
-        detail::cp_async_commit();
-      }
-      compute_chunks(std::integral_constant<int, kGroup>{});
-    }
-    static_assert(kGroup <= 2, "the tail below handles at most one leftover chunk");
-    if constexpr (kGroup == 2) {
-      if (kc < k_end) {  // an odd chunk count: the last chunk is already in flight
-        detail::cp_async_wait<0>();
-        __syncthreads();
-        compute_chunks(std::integral_constant<int, 1>{});
-      }
+        if (kGroup == 2 && c + 1 == n) {  // an odd chunk count: the last chunk is in flight
+          detail::cp_async_wait<0>();
+          __syncthreads();
+          compute_chunks(std::integral_constant<int, 1>{}, std::integral_constant<int, kFirst>{});
+          done = true;
+          return;
+        }
+        detail::cp_async_wait<kStages - 2 * kGroup>();
+        // Completion of this thread's copies + the barrier publish the group to every thread and
+        // to wgmma. No proxy fence: it lowers to MEMBAR.ALL.CTA, which waits for every cp.async
+        // in flight and collapses the pipeline; CUTLASS's cp.async GMMA mainloops likewise hand
+        // cp.async stages to wgmma through a barrier alone.
+        __syncthreads();  // this group visible to all; everyone is done with the previous group
+        detail::static_for<kGroup>([&](auto j) {
+          constexpr int kOffset = kFirst + kStages - kGroup + decltype(j)::value;  // < 2 * kStages
+          if (base + kOffset < n) load(std::integral_constant<int, kOffset>{});
+          detail::cp_async_commit();
+        });
+        compute_chunks(std::integral_constant<int, kGroup>{}, std::integral_constant<int, kFirst>{});
+      });
+      code_src += kStages * kCodeBytesPerTile;
+      scale_src += kStages * kScaleBytesPerTile;
+#pragma unroll
+      for (int j = 0; j < kPieces; ++j) b_src[j] += kStages * kChunkK * 2;
     }
     detail::cp_async_wait<0>();
 
