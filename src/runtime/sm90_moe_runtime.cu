@@ -318,6 +318,8 @@ void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params,
                 "GEMM config ", c.to_string(), ": only the atomic L2 may split K");
   if (c.warpgroups == 1 && c.block_n == 16 && c.stages == 8) {
     launch_gemm<kIsL1, 1, 16, 8, 1>(params, num_sms, max_work, stream);
+  } else if (c.warpgroups == 1 && c.block_n == 32 && c.stages == 8) {
+    launch_gemm<kIsL1, 1, 32, 8, 1>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 1 && c.block_n == 64 && c.stages == 6) {
     launch_gemm<kIsL1, 1, 64, 6, 1>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 2 && c.block_n == 128 && c.stages == 4) {

@@ -321,7 +321,7 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     // (some empty at the end of K), so the number allowed to stay pending is a constant.
     // Decode tiles (narrow N) pair chunks: the A fragments of two chunks fit the register budget
     // there, while wide tiles need those registers for accumulators.
-    constexpr int kGroup = kBlockN <= 16 ? 2 : 1;
+    constexpr int kGroup = kBlockN <= 32 ? 2 : 1;
     static_assert(kStages >= 2 * kGroup && kStages % kGroup == 0,
                   "need kStages >= 2 * kGroup (a group computing, a group landing), a multiple of kGroup");
     detail::static_for<kStages - kGroup>([&](auto s) {
