@@ -295,6 +295,7 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     // Shared-memory reads of the consumers (stage 0; stage s adds a constant).
     const uint8_t* code_lds = smem + Smem::kCodeOffset + wg * kCodeBytesPerTile + wtid * 16;
     const uint8_t* scale_lds = smem + Smem::kScaleOffset + wg * kScaleBytesPerTile + (warp * 8 + g) * 8;
+    const uint64_t b_desc0 = detail::make_sw128_desc(smem + Smem::kBOffset);  // stage 0
     __syncthreads();  // the previous work item is done with every stage
 
     // Copies chunk (round base + kOffset) into stage kOffset % kStages; kOffset < 2 * kStages.
@@ -320,7 +321,8 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     // ahead of the group being computed. Every group commits exactly kGroup cp.async groups
     // (some empty at the end of K), so the number allowed to stay pending is a constant.
     // Decode tiles (narrow N) pair chunks: the A fragments of two chunks fit the register budget
-    // there, while wide tiles need those registers for accumulators.
+    // there, while wide tiles need those registers for accumulators. (Four chunks per group at
+    // N = 16 measured 3-8% slower: 123-140 registers cost a CTA per SM.)
     constexpr int kGroup = kBlockN <= 32 ? 2 : 1;
     static_assert(kStages >= 2 * kGroup && kStages % kGroup == 0,
                   "need kStages >= 2 * kGroup (a group computing, a group landing), a multiple of kGroup");
@@ -352,7 +354,8 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
       detail::wgmma_fence();
 #pragma unroll
       for (int j = 0; j < kChunks; ++j) {
-        const uint64_t desc = detail::make_sw128_desc(smem + Smem::kBOffset + (kFirstStage + j) * Smem::kBTileBytes);
+        // The descriptor's address field counts 16-byte units: a stage offset is a constant add.
+        const uint64_t desc = b_desc0 + static_cast<uint64_t>((kFirstStage + j) * Smem::kBTileBytes / 16);
 #pragma unroll
         for (int s = 0; s < kStepsPerChunk; ++s) {
           // k16 step s starts 32 bytes further along the swizzled 128-byte rows.
@@ -383,10 +386,17 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
           done = true;
           return;
         }
-        if (kGroup == 2 && c + 1 == n) {  // an odd chunk count: the last chunk is in flight
+        if (kGroup > 1 && c + kGroup > n) {  // fewer than kGroup chunks left, all in flight
           detail::cp_async_wait<0>();
           __syncthreads();
-          compute_chunks(std::integral_constant<int, 1>{}, std::integral_constant<int, kFirst>{});
+          detail::static_for<kGroup>([&](auto r) {
+            constexpr int kLeft = decltype(r)::value;
+            if constexpr (kLeft > 0) {
+              if (kLeft == n - c) {
+                compute_chunks(std::integral_constant<int, kLeft>{}, std::integral_constant<int, kFirst>{});
+              }
+            }
+          });
           done = true;
           return;
         }
