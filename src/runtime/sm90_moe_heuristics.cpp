@@ -1,10 +1,11 @@
 // The configuration heuristic: a pure function of the problem and the token count.
 //
-// The tile's N side is tokens. Few tokens per expert (decode) means the layer streams weights:
-// a narrow N (16, or 32 up to 32 tokens per expert) keeps the accumulator and the B stage small
-// so deep pipelines (8 stages) and several CTAs per SM keep enough weight bytes in flight. Many
-// tokens per expert (prefill) means MMA-bound: two consumer warpgroups share a 128-token B tile,
-// halving the B traffic per decoded weight and giving the tensor cores long wgmma runs.
+// The tile's N side is tokens. Few tokens per expert (decode) means the layer streams weights
+// and the mainloop is bound by the decode's instructions: a narrow N (16, 32 or 48, the
+// narrowest that holds an average expert's tokens) keeps the accumulator and the B stage small
+// so deep pipelines (8 stages) and 4-5 CTAs per SM run. Many tokens per expert (prefill): two
+// consumer warpgroups share a 128-token B tile, halving the B traffic per decoded weight and
+// giving the tensor cores long wgmma runs.
 #include <sstream>
 
 #include "megamoe/runtime.h"
@@ -29,17 +30,21 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens) {
                                 : 0.0;
   GemmConfig decode{1, 16, 8};
   GemmConfig decode32{1, 32, 8};
+  GemmConfig decode48{1, 48, 8};
   GemmConfig middle{1, 64, 6};
   GemmConfig prefill{2, 128, 4};
   auto pick = [&](int64_t m_tiles) {
-    if (per_expert <= 16) return decode;
-    // Measured on H200 (commit 97c5d2f + this tile): 24 tokens per expert, DeepSeek-V3 T=768
-    // 3705 -> 3081 us and Qwen3-30B-A3B T=384 246 -> 184 us against the 64-token tile; equal at
-    // 32 per expert (T=1024), where ragged experts spill into a second 32-token tile.
-    if (per_expert <= 32) return decode32;
-    // From 64 tokens per expert the two-warpgroup 128-token tile is 16-21% faster than the
-    // 64-token one (measured at da380c4); that tile needs an even number of 64-row tiles.
-    if (m_tiles % 2 != 0) return middle;
+    // Measured on H200 (DeepSeek-V3 / Qwen3-30B-A3B, uniform routing; docs/perf): each token
+    // tile should hold an average expert's tokens in one piece (the weights are then decoded
+    // once) while staying as narrow as that allows (the decode regime is instruction-bound).
+    if (per_expert <= 16) return decode;    // 1..16 tokens
+    if (per_expert <= 24) return decode32;  // T=768: 3705 -> 3081 us vs the 64-token tile
+    if (per_expert <= 40) return decode48;  // T=1024: 4283 -> 3213 us vs the 32-token tile
+    // 64-token tile, two chunks per wgmma round trip: at 48 tokens per expert 15-25% faster than
+    // the 128-token tile (DeepSeek-V3 T=1536: 5040 -> 3836..4300 us, Qwen3 T=768: 332 -> 262
+    // us), at 64 tokens 6-14% slower (T=2048: 5234 -> 5974 us).
+    if (per_expert <= 48 || m_tiles % 2 != 0) return middle;
+    // The two-warpgroup 128-token tile needs an even number of 64-row tiles.
     return prefill;
   };
   MoeConfig cfg;

@@ -316,10 +316,14 @@ void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params,
                         int64_t max_work, cudaStream_t stream) {
   MEGAMOE_CHECK(c.k_splits >= 1 && (c.k_splits == 1 || (!kIsL1 && params.y_slot == nullptr)), kInternal,
                 "GEMM config ", c.to_string(), ": only the atomic L2 may split K");
+  // The narrow decode tiles are pinned to 5 CTAs per SM (<= 96 registers: 5 warps per SM
+  // sub-partition); a code change that let ptxas take 109 registers cost them 5% unnoticed.
   if (c.warpgroups == 1 && c.block_n == 16 && c.stages == 8) {
-    launch_gemm<kIsL1, 1, 16, 8, 1>(params, num_sms, max_work, stream);
+    launch_gemm<kIsL1, 1, 16, 8, 5>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 1 && c.block_n == 32 && c.stages == 8) {
-    launch_gemm<kIsL1, 1, 32, 8, 1>(params, num_sms, max_work, stream);
+    launch_gemm<kIsL1, 1, 32, 8, 5>(params, num_sms, max_work, stream);
+  } else if (c.warpgroups == 1 && c.block_n == 48 && c.stages == 8) {
+    launch_gemm<kIsL1, 1, 48, 8, 1>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 1 && c.block_n == 64 && c.stages == 6) {
     launch_gemm<kIsL1, 1, 64, 6, 1>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 2 && c.block_n == 128 && c.stages == 4) {

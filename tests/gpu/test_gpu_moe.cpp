@@ -99,7 +99,10 @@ INSTANTIATE_TEST_SUITE_P(
     Shapes, GpuMoeCases,
     ::testing::Values(
         Case{"small_T1", 256, 128, 8, 2, 1}, Case{"small_T3", 256, 128, 8, 2, 3},
-        Case{"small_T17", 256, 128, 8, 2, 17}, Case{"small_T128_mid", 256, 128, 8, 2, 128},
+        Case{"small_T17", 256, 128, 8, 2, 17},
+        // 20, 32 and 45 tokens per expert: the 32-, 48- and 64-token tiles.
+        Case{"small_T80_tile32", 256, 128, 8, 2, 80}, Case{"small_T128_tile48", 256, 128, 8, 2, 128},
+        Case{"small_T180_tile64", 256, 128, 8, 2, 180},
         Case{"small_T1000_prefill", 256, 128, 8, 2, 1000},
         Case{"small_T4096", 256, 128, 16, 4, 4096},
         Case{"topk1", 128, 64, 16, 1, 33}, Case{"topk3", 128, 64, 16, 3, 33},

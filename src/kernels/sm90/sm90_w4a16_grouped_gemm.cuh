@@ -13,6 +13,7 @@
 #include <utility>
 
 #include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/arch/mma_sm90_gmma_ext.hpp>  // N = 48
 
 #include "kernels/common/pdl.cuh"
 #include "kernels/sm90/sm90_w4a16_decode.cuh"
@@ -65,6 +66,7 @@ template <int N> struct WgmmaRS;
   };
 MEGAMOE_WGMMA_RS(16)
 MEGAMOE_WGMMA_RS(32)
+MEGAMOE_WGMMA_RS(48)
 MEGAMOE_WGMMA_RS(64)
 MEGAMOE_WGMMA_RS(128)
 #undef MEGAMOE_WGMMA_RS
@@ -323,7 +325,8 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     // Decode tiles (narrow N) pair chunks: the A fragments of two chunks fit the register budget
     // there, while wide tiles need those registers for accumulators. (Four chunks per group at
     // N = 16 measured 3-8% slower: 123-140 registers cost a CTA per SM.)
-    constexpr int kGroup = kBlockN <= 32 ? 2 : 1;
+    constexpr int kGroup = kBlockN <= 64 ? 2 : 1;
+    static_assert(kGroup <= 2, "the tail handles at most one leftover chunk");
     static_assert(kStages >= 2 * kGroup && kStages % kGroup == 0,
                   "need kStages >= 2 * kGroup (a group computing, a group landing), a multiple of kGroup");
     detail::static_for<kStages - kGroup>([&](auto s) {
@@ -386,17 +389,10 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
           done = true;
           return;
         }
-        if (kGroup > 1 && c + kGroup > n) {  // fewer than kGroup chunks left, all in flight
+        if (kGroup == 2 && c + 1 == n) {  // an odd chunk count: the last chunk is in flight
           detail::cp_async_wait<0>();
           __syncthreads();
-          detail::static_for<kGroup>([&](auto r) {
-            constexpr int kLeft = decltype(r)::value;
-            if constexpr (kLeft > 0) {
-              if (kLeft == n - c) {
-                compute_chunks(std::integral_constant<int, kLeft>{}, std::integral_constant<int, kFirst>{});
-              }
-            }
-          });
+          compute_chunks(std::integral_constant<int, 1>{}, std::integral_constant<int, kFirst>{});
           done = true;
           return;
         }
