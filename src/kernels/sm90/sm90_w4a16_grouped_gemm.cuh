@@ -5,7 +5,9 @@
 //       intermediate a[slot, I];
 //   L2: acc = a · W2ᵀ -> s2 * routing weight, atomically added to an fp32 [T, H] accumulator,
 //       or (deterministic) stored per slot for a fixed-order combine.
-// Persistent CTAs walk the (expert, m-block, n-tile) work list built by the dispatch kernel.
+// Persistent CTAs walk the (expert, m-block, k-slice, n-tile) work list built by the dispatch
+// kernel. The weights' decode (sm90_w4a16_decode.cuh) bounds the narrow-N (decode) tiles, so
+// the K loop is unrolled over its stages to keep every address an immediate.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -322,9 +324,10 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     // waits and the wgmma round trip), with kStages - kGroup chunks of copies in flight
     // ahead of the group being computed. Every group commits exactly kGroup cp.async groups
     // (some empty at the end of K), so the number allowed to stay pending is a constant.
-    // Decode tiles (narrow N) pair chunks: the A fragments of two chunks fit the register budget
-    // there, while wide tiles need those registers for accumulators. (Four chunks per group at
-    // N = 16 measured 3-8% slower: 123-140 registers cost a CTA per SM.)
+    // Tiles up to N = 64 pair chunks: the A fragments of two chunks (32 registers) fit next to
+    // their accumulators, while the 128-token tile needs those registers for its 64
+    // accumulators. (Four chunks per group at N = 16 measured 3-8% slower: 123-140 registers
+    // cost a CTA per SM.)
     constexpr int kGroup = kBlockN <= 64 ? 2 : 1;
     static_assert(kGroup <= 2, "the tail handles at most one leftover chunk");
     static_assert(kStages >= 2 * kGroup && kStages % kGroup == 0,
