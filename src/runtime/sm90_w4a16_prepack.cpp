@@ -41,7 +41,7 @@ void prepack(int64_t rows, int64_t k_begin, int64_t k_len, RowSource source,
             const int r = 16 * w + g + nibble_row_offset(p);
             const int64_t k = k0 + 16 * s + 2 * t + nibble_k_offset(p);
             // A block whose scale is 0 has weights 0 whatever its codes: clear them, so the
-            // mainloop's scale conversion may skip the zero case (ue4m3x2_to_bf16x2_nonzero).
+            // mainloop's scale conversion may skip the zero case (scale_pair_to_bf16x2).
             const uint8_t code = row_scales[r][k / 16] == 0 ? 0 : format::e2m1_code_at(row_codes[r], k);
             for (int b = 0; b < 4; ++b) {
               word |= static_cast<uint32_t>((code >> b) & 1u) << code_bit_position(p, b);

@@ -48,16 +48,11 @@ __device__ __forceinline__ uint32_t bf16x2_mul_hi(uint32_t a, uint32_t s) {
 // the 2^-8 in the epilogue). The products are exact: e2m1 * scale has at most 6 significant
 // bits and, times 2^-8, lies in [2^-18, 2^3.4], normal in bf16.
 __device__ __forceinline__ void decode_step(uint32_t word, uint16_t scale_pair, uint32_t (&a)[4]) {
-  constexpr uint32_t kMask = 0x81C081C0u;  // bf16 bits 15, 8, 7, 6 of both halves
   const uint32_t s = scale_pair_to_bf16x2(scale_pair);
-  const uint32_t r0 = (word << 6) & kMask;
-  const uint32_t r1 = (word << 3) & kMask;
-  const uint32_t r2 = word & kMask;
-  const uint32_t r3 = ((word >> 4) & 0x00C000C0u) | ((word >> 5) & 0x01000100u) | ((word << 1) & 0x80008000u);
-  a[0] = bf16x2_mul_lo(r0, s);  // (r0, k 2t..2t+1)
-  a[1] = bf16x2_mul_hi(r1, s);  // (r1, k 2t..2t+1)
-  a[2] = bf16x2_mul_lo(r2, s);  // (r0, k 2t+8..2t+9)
-  a[3] = bf16x2_mul_hi(r3, s);  // (r1, k 2t+8..2t+9)
+  a[0] = bf16x2_mul_lo(step_register(word, 0), s);  // (r0, k 2t..2t+1)
+  a[1] = bf16x2_mul_hi(step_register(word, 1), s);  // (r1, k 2t..2t+1)
+  a[2] = bf16x2_mul_lo(step_register(word, 2), s);  // (r0, k 2t+8..2t+9)
+  a[3] = bf16x2_mul_hi(step_register(word, 3), s);  // (r1, k 2t+8..2t+9)
 }
 
 }  // namespace megamoe::kernels::sm90::w4a16

@@ -65,6 +65,19 @@ constexpr int code_bit_position(int p, int b) {
   constexpr int kRegisterBits[4][4] = {{0, 1, 2, 9}, {3, 4, 5, 12}, {6, 7, 8, 15}, {10, 11, 13, 14}};
   return kRegisterBits[p / 2][b] + 16 * (p % 2);
 }
+// The bf16x2 bits of A register j (0..3) of a step word: for each half, e2m1 * 2^-126 of its
+// element (see the table above). Host (layout tests) and device (the mainloop) share it.
+constexpr uint32_t step_register(uint32_t word, int j) {
+  constexpr uint32_t kMask = 0x81C081C0u;  // bf16 bits 15, 8, 7, 6 of both halves
+  switch (j) {
+    case 0: return (word << 6) & kMask;
+    case 1: return (word << 3) & kMask;
+    case 2: return word & kMask;
+    default:
+      return ((word >> 4) & 0x00C000C0u) | ((word >> 5) & 0x01000100u) | ((word << 1) & 0x80008000u);
+  }
+}
+
 // The A operand carries a factor 2^-8 (see above): the epilogue multiplies accumulators by this.
 inline constexpr float kAccumulatorUnscale = 256.0f;
 // bf16x2 of (block scale * 2^118) from the f16x2 of the block scale: (f16 >> 3) + this.
