@@ -3,31 +3,28 @@
 // deliberate (and re-measured, docs/perf).
 #include <gtest/gtest.h>
 
+#include <string>
+
+#include "megamoe/presets.h"
 #include "megamoe/runtime.h"
 
 namespace megamoe {
 namespace {
 
-MoeProblem deepseek_v3() {
+// The problem of a model preset (megamoe/presets.h, the shapes of DESIGN.md §4).
+MoeProblem preset_problem(const std::string& name) {
+  const ModelPreset& m = find_preset(name);
   MoeProblem p;
-  p.hidden_size = 7168;
-  p.intermediate_size = 2048;
-  p.num_experts = 256;
-  p.top_k = 8;
-  p.shared_intermediate_size = 2048;
+  p.hidden_size = m.hidden_size;
+  p.intermediate_size = m.intermediate_size;
+  p.num_experts = m.num_experts;
+  p.top_k = m.top_k;
+  p.shared_intermediate_size = m.n_shared_experts * m.intermediate_size;
   p.max_tokens = 16384;
   return p;
 }
-
-MoeProblem qwen3_30b() {
-  MoeProblem p;
-  p.hidden_size = 2048;
-  p.intermediate_size = 768;
-  p.num_experts = 128;
-  p.top_k = 8;
-  p.max_tokens = 16384;
-  return p;
-}
+MoeProblem deepseek_v3() { return preset_problem("deepseek-v3"); }
+MoeProblem qwen3_30b() { return preset_problem("qwen3-30b-a3b"); }
 
 TEST(Heuristics, TokenTileFollowsTokensPerExpert) {
   const MoeProblem p = deepseek_v3();  // 32 tokens of T per expert

@@ -1,4 +1,6 @@
-// Device-side NVFP4 decoders shared by every sm90 kernel. Exact by construction: an e2m1 value
+// Device-side NVFP4 decoders of the checkpoint layout (nibble 2j = element 2j), used by the
+// dequantizer; the MoE mainloops decode their prepacked layout instead
+// (sm90/sm90_w4a16_decode.cuh). Exact by construction: an e2m1 value
 // times a ue4m3 scale has at most 6 significant bits and lies in [2^-10, 2688], so it is exactly
 // representable in bf16 (DESIGN.md §2); every step below is a bit move or an exact product.
 #pragma once

@@ -1,6 +1,6 @@
 // NVFP4 -> bf16 dequantizer for one ModelOpt weight [N, K]: out = bf16(e2m1 * ue4m3 * s2).
-// Used to build the bf16 baseline and to test the shared device decoders (nvfp4_decode.cuh)
-// bit-for-bit against the CPU codecs. Never used in the MoE path (weights there stay NVFP4).
+// Used to build the bf16 baseline and to test the checkpoint-layout device decoders
+// (nvfp4_decode.cuh) bit-for-bit against the CPU codecs. Never used in the MoE path (weights there stay NVFP4).
 #pragma once
 
 #include <cuda_bf16.h>
