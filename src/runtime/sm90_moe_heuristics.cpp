@@ -30,7 +30,9 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens) {
                                 : 0.0;
   GemmConfig decode{1, 16, 8};
   GemmConfig decode32{1, 32, 8};
-  GemmConfig decode48{1, 48, 8};
+  // Six stages, not eight: eight stages of a 48-token tile (8.25 KiB each) fit only 3 CTAs in an
+  // SM's shared memory, six fit 4 (DeepSeek-V3 T=1024 on H200: 3326 -> 2827 us).
+  GemmConfig decode48{1, 48, 6};
   GemmConfig middle{1, 64, 6};
   GemmConfig prefill{2, 128, 4};
   auto pick = [&](int64_t m_tiles) {

@@ -70,7 +70,7 @@ void validate_problem(const MoeProblem& p) {
 
 // Workspace: every region 256-byte aligned, sized for max_tokens.
 struct WorkspaceLayout {
-  size_t expert_offsets, l1_tiles, l2_tiles, invalid, slot_token, slot_weight, token_slot, act,
+  size_t expert_offsets, l1_tiles, l2_tiles, invalid, work_counters, slot_token, slot_weight, token_slot, act,
       out_acc, y_slot, total;
 };
 WorkspaceLayout workspace_layout(const MoeProblem& p) {
@@ -87,6 +87,7 @@ WorkspaceLayout workspace_layout(const MoeProblem& p) {
   w.l1_tiles = take(ev * 4);
   w.l2_tiles = take(ev * 4);
   w.invalid = take(4);
+  w.work_counters = take(2 * 4);
   w.slot_token = take(slots * 4);
   w.slot_weight = take(slots * 4);
   w.token_slot = take(slots * 4);
@@ -317,15 +318,16 @@ void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params,
   MEGAMOE_CHECK(c.k_splits >= 1 && (c.k_splits == 1 || (!kIsL1 && params.y_slot == nullptr)), kInternal,
                 "GEMM config ", c.to_string(), ": only the atomic L2 may split K");
   // The narrow decode tiles are pinned to 5 CTAs per SM (<= 96 registers: 5 warps per SM
-  // sub-partition); a code change that let ptxas take 109 registers cost them 5% unnoticed.
+  // sub-partition); a code change that let ptxas take 109 registers cost them 5% unnoticed. The
+  // 48- and 64-token tiles are pinned to 4 (<= 128 registers).
   if (c.warpgroups == 1 && c.block_n == 16 && c.stages == 8) {
     launch_gemm<kIsL1, 1, 16, 8, 5>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 1 && c.block_n == 32 && c.stages == 8) {
     launch_gemm<kIsL1, 1, 32, 8, 5>(params, num_sms, max_work, stream);
-  } else if (c.warpgroups == 1 && c.block_n == 48 && c.stages == 8) {
-    launch_gemm<kIsL1, 1, 48, 8, 1>(params, num_sms, max_work, stream);
+  } else if (c.warpgroups == 1 && c.block_n == 48 && c.stages == 6) {
+    launch_gemm<kIsL1, 1, 48, 6, 4>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 1 && c.block_n == 64 && c.stages == 6) {
-    launch_gemm<kIsL1, 1, 64, 6, 1>(params, num_sms, max_work, stream);
+    launch_gemm<kIsL1, 1, 64, 6, 4>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 2 && c.block_n == 128 && c.stages == 4) {
     // Two CTAs (four warpgroups) per SM: one warpgroup's wgmmas run while another decodes.
     launch_gemm<kIsL1, 2, 128, 4, 2>(params, num_sms, max_work, stream);
@@ -385,6 +387,7 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   d.slot_weight = at<float>(ws, L.slot_weight);
   d.token_slot = at<int32_t>(ws, L.token_slot);
   d.invalid_ids = at<int32_t>(ws, L.invalid);
+  d.work_counters = at<int32_t>(ws, L.work_counters);
   k90::moe_dispatch_kernel<<<1, k90::kDispatchThreads, 0, stream>>>(d);
   check_cuda(cudaGetLastError(), "moe_dispatch_kernel launch");
 
@@ -409,6 +412,7 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   g1.b_ld = H;
   g1.expert_offsets = d.expert_offsets;
   g1.tile_offsets = d.l1_tile_offsets;
+  g1.work_counter = d.work_counters;
   g1.num_experts = static_cast<int32_t>(EV);
   g1.slot_token = d.slot_token;
   g1.slot_weight = d.slot_weight;
@@ -433,6 +437,7 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   g2.b_src = at<__nv_bfloat16>(ws, L.act);
   g2.b_ld = I;
   g2.tile_offsets = d.l2_tile_offsets;
+  g2.work_counter = d.work_counters + 1;
   g2.act = nullptr;
   g2.out_acc = p.deterministic ? nullptr : at<float>(ws, L.out_acc);
   g2.y_slot = p.deterministic ? at<float>(ws, L.y_slot) : nullptr;

@@ -35,6 +35,7 @@ struct DispatchParams {
   float* slot_weight;            // (S) routing weight of each slot (1 for shared slices)
   int32_t* token_slot;           // (T, k + shared_chunks) slot of each selection, -1 if invalid
   int32_t* invalid_ids;          // (1) number of ids outside [0, E)
+  int32_t* work_counters;        // (2) L1's and L2's dynamic work-item counters, zeroed here
 };
 
 inline constexpr int kDispatchThreads = 1024;
@@ -58,7 +59,11 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(Dispa
   for (int e = tid; e < num_virtual; e += kDispatchThreads) {
     counts[e] = e < p.num_experts ? 0 : p.tokens;
   }
-  if (tid == 0) invalid = 0;
+  if (tid == 0) {
+    invalid = 0;
+    p.work_counters[0] = 0;
+    p.work_counters[1] = 0;
+  }
   __syncthreads();
 
   for (int64_t i = tid; i < items; i += kDispatchThreads) {
