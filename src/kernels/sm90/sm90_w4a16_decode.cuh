@@ -16,17 +16,23 @@
 
 namespace megamoe::kernels::sm90::w4a16 {
 
-// Two NONZERO ue4m3 scale bytes (low byte first) -> bf16x2 {lo: first, hi: second} of
-// (scale * 2^118), exact: the hardware e4m3x2 -> f16x2 conversion (subnormal scales 0x01..0x07
+// Two NONZERO ue4m3 scale bytes (low byte first; half kHalf of `four`) -> bf16x2 {lo: first,
+// hi: second} of (scale * 2^118), exact: the hardware e4m3x2 -> f16x2 conversion (subnormal scales 0x01..0x07
 // become normal f16), then a bit move. Every nonzero scale has at most 3 mantissa bits and an
 // f16 exponent field in [6, 23], so its bf16 is the f16 shifted right by 3 (the dropped mantissa
 // bits are zero) with the exponent rebiased by 127 - 15 + 118; both halves move at once (the
 // high half's three lowest bits, zero, are what cross into the low half, and no sum carries).
 // The largest scale, 448 * 2^118 < 2^127, stays finite. A zero byte would not give 0: the
 // prepack clears the codes of every block whose scale is 0, which then decode to 0.
-__device__ __forceinline__ uint32_t scale_pair_to_bf16x2(uint16_t two) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
-  const uint32_t bits = static_cast<uint32_t>(h.x) | (static_cast<uint32_t>(h.y) << 16);
+// The conversion reads the half in place (F2FP ... R.H1): no shift to extract it.
+template <int kHalf>
+__device__ __forceinline__ uint32_t scale_pair_to_bf16x2(uint32_t four) {
+  uint32_t bits;
+  if constexpr (kHalf == 0) {
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(bits) : "r"(four));
+  } else {
+    asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, hi;\n}\n" : "=r"(bits) : "r"(four));
+  }
   return (bits >> 3) + kScaleF16ToBf16Times2Pow118;
 }
 
@@ -47,8 +53,9 @@ __device__ __forceinline__ uint32_t bf16x2_mul_hi(uint32_t a, uint32_t s) {
 // are row r0, a[1], a[3] row r1), each e2m1 * scale * 2^-8 exactly (kAccumulatorUnscale undoes
 // the 2^-8 in the epilogue). The products are exact: e2m1 * scale has at most 6 significant
 // bits and, times 2^-8, lies in [2^-18, 2^3.4], normal in bf16.
-__device__ __forceinline__ void decode_step(uint32_t word, uint16_t scale_pair, uint32_t (&a)[4]) {
-  const uint32_t s = scale_pair_to_bf16x2(scale_pair);
+template <int kHalf>
+__device__ __forceinline__ void decode_step(uint32_t word, uint32_t scale_pairs, uint32_t (&a)[4]) {
+  const uint32_t s = scale_pair_to_bf16x2<kHalf>(scale_pairs);
   a[0] = bf16x2_mul_lo(step_register(word, 0), s);  // (r0, k 2t..2t+1)
   a[1] = bf16x2_mul_hi(step_register(word, 1), s);  // (r1, k 2t..2t+1)
   a[2] = bf16x2_mul_lo(step_register(word, 2), s);  // (r0, k 2t+8..2t+9)

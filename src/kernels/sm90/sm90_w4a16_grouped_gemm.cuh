@@ -324,7 +324,7 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
       const char* b_src[kPieces];
       uint32_t b_dst[kPieces];
       bool b_valid[kPieces];
-  #pragma unroll
+      #pragma unroll
       for (int j = 0; j < kPieces; ++j) {
         const int i = tid + j * kThreads;
         const int r = i / 8, c = i % 8;
@@ -350,14 +350,14 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
         if (copies_scales) {
           detail::cp_async_16(scale_dst + kStage * Smem::kScaleStageBytes, scale_src + kOffset * kScaleBytesPerTile, true);
         }
-  #pragma unroll
+        #pragma unroll
         for (int j = 0; j < kPieces; ++j) {
           detail::cp_async_16(b_dst[j] + kStage * Smem::kBTileBytes, b_src[j] + kOffset * kChunkK * 2, b_valid[j]);
         }
       };
 
       float acc[kAcc];
-  #pragma unroll
+      #pragma unroll
       for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
 
       // Pipeline: chunks are consumed kGroup at a time per barrier (amortising the barrier, the
@@ -385,24 +385,24 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
         constexpr int kChunks = decltype(chunk_count)::value;
         constexpr int kFirstStage = decltype(first_stage)::value;
         uint32_t a[kChunks][kStepsPerChunk][4];
-  #pragma unroll
+        #pragma unroll
         for (int j = 0; j < kChunks; ++j) {
           const uint4 q = *reinterpret_cast<const uint4*>(code_lds + (kFirstStage + j) * Smem::kCodeStageBytes);
           const uint2 sc = *reinterpret_cast<const uint2*>(scale_lds + (kFirstStage + j) * Smem::kScaleStageBytes);
           const uint32_t words[4] = {q.x, q.y, q.z, q.w};
           const uint32_t scale_pairs[2] = {sc.x, sc.y};
-  #pragma unroll
-          for (int s = 0; s < kStepsPerChunk; ++s) {
-            // Scales (row r0, row r0 + 8) of k-block s of this chunk.
-            decode_step(words[s], static_cast<uint16_t>(scale_pairs[s / 2] >> (16 * (s % 2))), a[j][s]);
-          }
+          detail::static_for<kStepsPerChunk>([&](auto step) {
+            constexpr int s = decltype(step)::value;
+            // Scales (row r0, row r0 + 8) of k-block s of this chunk: half s % 2 of pair word s / 2.
+            decode_step<s % 2>(words[s], scale_pairs[s / 2], a[j][s]);
+          });
         }
         detail::wgmma_fence();
-  #pragma unroll
+        #pragma unroll
         for (int j = 0; j < kChunks; ++j) {
           // The descriptor's address field counts 16-byte units: a stage offset is a constant add.
           const uint64_t desc = b_desc0 + static_cast<uint64_t>((kFirstStage + j) * Smem::kBTileBytes / 16);
-  #pragma unroll
+          #pragma unroll
           for (int s = 0; s < kStepsPerChunk; ++s) {
             // k16 step s starts 32 bytes further along the swizzled 128-byte rows.
             detail::wgmma_rs<Op>(a[j][s], desc + static_cast<uint64_t>(s * 2), acc,
@@ -412,13 +412,13 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
         detail::wgmma_commit();
         detail::wgmma_wait_all();
         // wgmma reads its A registers asynchronously: keep them alive until it has completed.
-  #pragma unroll
+        #pragma unroll
         for (int j = 0; j < kChunks; ++j)
-  #pragma unroll
+          #pragma unroll
           for (int s = 0; s < kStepsPerChunk; ++s)
-  #pragma unroll
+            #pragma unroll
             for (int i = 0; i < 4; ++i) detail::keep_in_register(a[j][s][i]);
-  #pragma unroll
+        #pragma unroll
         for (int i = 0; i < kAcc; ++i) detail::keep_in_register(acc[i]);
       };
 
@@ -454,7 +454,7 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
         });
         code_src += kStages * kCodeBytesPerTile;
         scale_src += kStages * kScaleBytesPerTile;
-  #pragma unroll
+        #pragma unroll
         for (int j = 0; j < kPieces; ++j) b_src[j] += kStages * kChunkK * 2;
       }
       detail::cp_async_wait<0>();
