@@ -54,13 +54,14 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens) {
   MoeConfig cfg;
   cfg.l1 = pick(2 * problem.intermediate_size / 64);
   cfg.l2 = pick(problem.hidden_size / 64);
-  // Decode: L2 has E_active * H/64 tiles of only I/64 chunks each, which leaves a ragged last
-  // wave over the persistent CTAs; two K slices per tile even it out. The slices add into the
-  // fp32 accumulator, so the fixed-order (deterministic) combine keeps whole tiles. Each slice
-  // keeps at least 16 chunks: shorter work items pay their pipeline fill and schedule lookup
-  // for too little streaming (Qwen3-30B-A3B, I = 768: 6-chunk slices ran L2 at 1.2 TB/s).
-  if (per_expert <= 16 && !problem.deterministic && problem.intermediate_size % 128 == 0 &&
-      problem.intermediate_size / 64 >= 2 * 16) {
+  // One token: L2 has only (k + shared) * H/64 tiles of I/64 chunks, fewer than two per CTA slot
+  // (DeepSeek-V3: 1008 for 660 slots on an H200), so two K slices per tile give the CTAs twice
+  // as many, shorter, items. From two tokens on, the work items claimed from the counter already
+  // balance the CTAs and a split only adds per-item overhead (H200, us, 1 vs 2 slices:
+  // DeepSeek-V3 T=1 97.5 / 94.6, T=2 146 / 150, T=16 751 / 776, T=64 1574 / 1634; Qwen3-30B T=1
+  // 29.8 / 28.0, T=2 34.5 / 37.1). The slices add into the fp32 accumulator, so the fixed-order
+  // (deterministic) combine keeps whole tiles.
+  if (tokens == 1 && !problem.deterministic && problem.intermediate_size % 128 == 0) {
     cfg.l2.k_splits = 2;
   }
   return cfg;
