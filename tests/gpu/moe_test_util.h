@@ -94,6 +94,17 @@ inline reference::TopK random_topk(std::mt19937& rng, int64_t T, int64_t E, int 
   return r;
 }
 
+// k = 1 routing with exactly counts[e] tokens on expert e (T = the sum), in random token order.
+inline reference::TopK counted_topk(std::mt19937& rng, const std::vector<int>& counts) {
+  reference::TopK r;
+  r.k = 1;
+  for (size_t e = 0; e < counts.size(); ++e) r.ids.insert(r.ids.end(), static_cast<size_t>(counts[e]), static_cast<int32_t>(e));
+  std::shuffle(r.ids.begin(), r.ids.end(), rng);
+  r.tokens = static_cast<int64_t>(r.ids.size());
+  r.weights.assign(r.ids.size(), 1.0f);
+  return r;
+}
+
 inline std::vector<float> widen(const std::vector<uint16_t>& bf16) {
   std::vector<float> f(bf16.size());
   for (size_t i = 0; i < f.size(); ++i) f[i] = bf16_to_f32(bf16[i]);

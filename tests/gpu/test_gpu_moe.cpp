@@ -57,6 +57,7 @@ struct Case {
   std::optional<float> limit = std::nullopt;
   int only_expert = -1;
   testing::ScaleCodes scale_codes = testing::ScaleCodes::kRealistic;
+  std::vector<int> expert_tokens = {};  // if set: k = 1 and exactly this many tokens per expert
 };
 
 // gtest prints parameters in test names and failures: name the case instead of dumping bytes.
@@ -69,7 +70,10 @@ void check_case(const Case& c, bool deterministic) {
   std::mt19937 rng(seed);
   const MoeLayer layer = testing::random_layer(rng, c.H, c.I, c.E, c.k, c.shared_I, c.limit, c.scale_codes);
   const auto hidden = testing::random_hidden(rng, c.T, c.H);
-  const auto topk = testing::random_topk(rng, c.T, c.E, c.k, c.only_expert);
+  const auto topk = c.expert_tokens.empty() ? testing::random_topk(rng, c.T, c.E, c.k, c.only_expert)
+                                            : testing::counted_topk(rng, c.expert_tokens);
+  ASSERT_EQ(topk.tokens, c.T) << "case " << c.name << ": T must be the sum of expert_tokens";
+  ASSERT_EQ(topk.k, c.k);
   GpuMoe gpu(layer, c.T, deterministic);
   const auto got = gpu.run(hidden, topk);
   // The oracle's output is bf16, like ours: the error is what our arithmetic adds beyond the
@@ -121,7 +125,15 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"every_scale_code_middle", 512, 256, 8, 2, 100, 0, std::nullopt, -1,
              testing::ScaleCodes::kEveryCode},
         Case{"every_scale_code_prefill", 512, 256, 8, 2, 600, 0, std::nullopt, -1,
-             testing::ScaleCodes::kEveryCode}),
+             testing::ScaleCodes::kEveryCode},
+        // Each work item runs at the narrowest token width that holds its slots: expert counts
+        // whose last tiles land on every width, at and just past each boundary, and an empty
+        // expert. 128-token tile (120/expert): widths 32, 64, 96, 128.
+        Case{"token_widths_prefill", 256, 128, 8, 1, 963, 0, std::nullopt, -1,
+             testing::ScaleCodes::kRealistic, {129, 161, 225, 192, 96, 32, 0, 128}},
+        // 48-token tile (32.5/expert): widths 16, 32, 48.
+        Case{"token_widths_tile48", 256, 128, 8, 1, 260, 0, std::nullopt, -1,
+             testing::ScaleCodes::kRealistic, {1, 16, 17, 32, 33, 48, 49, 64}}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 TEST(GpuMoe, ZeroTokensIsANoOp) {
