@@ -130,9 +130,9 @@ __device__ __forceinline__ void static_for(F&& f) {
 template <int kBlockN>
 inline constexpr int kTokenWidthStep = kBlockN >= 64 ? 32 : 16;
 
-// Calls f(std::integral_constant<int, width>) with the narrowest allowed width >= rows (rows
-// is clamped to kBlockN by the schedule). Each width is its own mainloop instantiation: a
-// branch between wgmmas would make ptxas serialise them.
+// Calls f(std::integral_constant<int, width>) with the narrowest allowed width >= rows, or
+// kBlockN when rows exceeds it (a tile that is not its expert's last). Each width is its own
+// mainloop instantiation: a branch between wgmmas would make ptxas serialise them.
 template <int kBlockN, int kWidth = kTokenWidthStep<kBlockN>, class F>
 __device__ __forceinline__ void with_token_width(int rows, F&& f) {
   static_assert(kBlockN % kTokenWidthStep<kBlockN> == 0, "BLOCK_N must be a multiple of the token width step");
