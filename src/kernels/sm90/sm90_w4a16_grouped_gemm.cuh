@@ -340,7 +340,6 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
       const uint8_t* code_lds = smem + Smem::kCodeOffset + wg * kCodeBytesPerTile + wtid * 16;
       const uint8_t* scale_lds = smem + Smem::kScaleOffset + wg * kScaleBytesPerTile + (warp * 8 + g) * 8;
       const uint64_t b_desc0 = detail::make_sw128_desc(smem + Smem::kBOffset);  // stage 0
-      __syncthreads();  // the previous work item is done with every stage
 
       // Copies chunk (round base + kOffset) into stage kOffset % kStages; kOffset < 2 * kStages.
       auto load = [&](auto offset) {
@@ -461,7 +460,9 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
 
       detail::store_tile<kIsL1, kWidth>(p, acc, w, m_tile, warp, g, t);
     });
-    // Every thread read the previous value before this item's first barrier.
+    // This barrier also hands the stages to the next item: every thread has finished this item's
+    // wgmmas and copies. Every thread read the previous next_work_shared before this item's
+    // first mainloop barrier (every item has at least one chunk).
     if (tid == 0) next_work_shared = next_work;
     __syncthreads();
     work = next_work_shared;
