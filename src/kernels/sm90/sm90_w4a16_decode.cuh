@@ -1,10 +1,10 @@
 // Decode of one prepacked k16 step (sm90_w4a16_layout.h) into the four bf16x2 A registers of an
 // RS wgmma, scaled by the step's block scales. Shared by every sm90 W4A16 mainloop.
 //
-// Cost per 8 weights: 6 LOP3 on the integer pipe, 5 shifts that ptxas may place on the
-// FMA-heavy pipe (IMAD.SHL / IMAD.HI), 4 HMUL2 on the FMA pipe, and per 2 scales one e4m3x2
-// conversion and one LEA. The integer pipe runs at half rate on sm_90 and bounded the previous
-// table-lookup decode (15 integer instructions per 8 weights).
+// Cost per 8 weights (one k16 step): 5 LOP3, one rotate and one right shift on the integer pipe,
+// 2 left shifts that ptxas issues as IMAD.SHL on the FMA pipe, 4 HMUL2, and for the step's two
+// scales one e4m3x2 conversion and one LEA: 15 instructions. The loop is issue-bound at the
+// narrow (decode) tiles, so the instruction count, not the pipe, is what the layout minimises.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -12,9 +12,8 @@
 //   * one 16-byte load gives a thread its codes for 4 k16 steps (one 64-wide K chunk); the 128
 //     threads of a warpgroup read one contiguous 2 KiB block per (64-row tile, K chunk);
 //   * word s of those 16 bytes holds the step-s codes of elements a_0..a_7, their bits placed
-//     (below) so that the bf16x2 A register j = {a_2j, a_2j+1} is one mask of a shifted word:
-//     the decode costs ~1.4 integer-pipe instructions per 2 weights instead of ~3.75 (the
-//     integer pipe, half rate on sm_90, is what bounds the decode regime);
+//     (below) so that each bf16x2 A register j = {a_2j, a_2j+1} is one mask of a shifted or
+//     rotated word (one register takes two): 9 integer instructions per 8 weights;
 //   * the 8 scale bytes a thread needs per chunk (rows r0, r1 x 4 steps) are contiguous, shared
 //     by the 4 threads of a quad: byte 2s + h = scale(row r0 + 8h, k-block 4*chunk + s).
 //
@@ -22,14 +21,17 @@
 // and the sign at bit 15 makes the bf16 value exactly e2m1 * 2^-126 for all 16 codes (code 1, 0.5,
 // becomes the subnormal 2^-127); the mainloop multiplies by the block scale times 2^118 (exact,
 // normal), so the A operand is e2m1 * scale * 2^-8 and the epilogue multiplies by 2^8.
-// In a step word, element a_p = lane h = p % 2 (16 * h added to every position) of register
-// j = p / 2 has its bits (m, e0, e1, sign) at:
-//     j = 0: (0, 1, 2, 9)     -> register = (word << 6) & 0x81C081C0
-//     j = 1: (3, 4, 5, 12)    -> register = (word << 3) & 0x81C081C0
-//     j = 2: (6, 7, 8, 15)    -> register =  word       & 0x81C081C0
-//     j = 3: (10, 11, 13, 14) -> register = (word >> 4) & 0x00C000C0 | (word >> 5) & 0x01000100
-//                                           | (word << 1) & 0x80008000
-// (translates of one pattern cannot tile 16 bits, hence the odd fourth register).
+// Register j's targets are bits T = {6, 7, 8, 15} (element a_2j) and T + 16 (element a_2j+1):
+//     j = 0: rotl(word, 10) & 0x81C081C0       sources (T - 10) mod 32
+//     j = 1:       word     & 0x81C081C0       sources  T
+//     j = 2:  (word << 4)   & 0x81C081C0       sources  T - 4
+//     j = 3:  (word << 6)   & 0x80C080C0       sources  T - 6, except bits 8 and 24 (e1),
+//           | (word >> 2)   & 0x01000100       which come from 10 and 26.
+// The four sets tile the 32 bits. Translates of T alone cannot tile them (searched exhaustively,
+// rotations included), so one register needs two terms; this choice costs 5 LOP3, one rotate
+// and one right shift on the integer pipe and two left shifts that ptxas issues as IMAD.SHL on
+// the FMA pipe (the previous placement, translates by 6, 3 and 0 plus a three-term register,
+// cost 11 instructions per step; the decode loop is issue-bound, ncu: ~0.9 IPC per scheduler).
 // A block whose scale is 0 stores codes 0 (its weights are 0 whatever the codes), so that the
 // mainloop's scale conversion need not special-case a zero scale.
 #pragma once
@@ -60,21 +62,27 @@ constexpr int64_t w13_intermediate_column(int64_t m_tile, int local_row) {
 }
 constexpr bool w13_is_up_row(int local_row) { return (local_row % 16) >= 8; }
 
-// Bit position in its step word of bit b (0: m, 1: e0, 2: e1, 3: sign) of element a_p's code.
+// Bit position in its step word of bit b (0: m, 1: e0, 2: e1, 3: sign) of element a_p's code:
+// the source of target bit T[b] + 16 * (p % 2) of register p / 2 (see the table above).
 constexpr int code_bit_position(int p, int b) {
-  constexpr int kRegisterBits[4][4] = {{0, 1, 2, 9}, {3, 4, 5, 12}, {6, 7, 8, 15}, {10, 11, 13, 14}};
-  return kRegisterBits[p / 2][b] + 16 * (p % 2);
+  constexpr int kTargetBits[4] = {6, 7, 8, 15};
+  const int target = kTargetBits[b] + 16 * (p % 2);
+  switch (p / 2) {
+    case 0: return (target + 32 - 10) % 32;
+    case 1: return target;
+    case 2: return target - 4;
+    default: return target % 16 == 8 ? target + 2 : target - 6;
+  }
 }
 // The bf16x2 bits of A register j (0..3) of a step word: for each half, e2m1 * 2^-126 of its
 // element (see the table above). Host (layout tests) and device (the mainloop) share it.
 constexpr uint32_t step_register(uint32_t word, int j) {
   constexpr uint32_t kMask = 0x81C081C0u;  // bf16 bits 15, 8, 7, 6 of both halves
   switch (j) {
-    case 0: return (word << 6) & kMask;
-    case 1: return (word << 3) & kMask;
-    case 2: return word & kMask;
-    default:
-      return ((word >> 4) & 0x00C000C0u) | ((word >> 5) & 0x01000100u) | ((word << 1) & 0x80008000u);
+    case 0: return ((word << 10) | (word >> 22)) & kMask;  // a rotate: one SHF.L.W
+    case 1: return word & kMask;
+    case 2: return (word << 4) & kMask;
+    default: return ((word << 6) & 0x80C080C0u) | ((word >> 2) & 0x01000100u);
   }
 }
 
