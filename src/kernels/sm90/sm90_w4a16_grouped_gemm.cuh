@@ -273,8 +273,10 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
   const uint32_t smem_u32 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 
   const int tid = threadIdx.x;
-  const int wg = tid / kThreadsPerWarpgroup;   // which 64-row tile of the block
-  const int wtid = tid % kThreadsPerWarpgroup; // thread in warpgroup
+  // Which 64-row tile of the block, and the thread in its warpgroup. Constant for one warpgroup:
+  // ptxas cannot know tid < 128 and would carry wg's multiples through every copy address.
+  const int wg = kWarpgroups == 1 ? 0 : tid / kThreadsPerWarpgroup;
+  const int wtid = kWarpgroups == 1 ? tid : tid % kThreadsPerWarpgroup;
   const int warp = wtid / 32, lane = wtid % 32;
   const int g = lane / 4, t = lane % 4;
   allow_dependent_launch();
@@ -299,6 +301,15 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
       constexpr int kWidth = decltype(width)::value;
       using Op = typename detail::WgmmaRS<kWidth>::Op;
       constexpr int kAcc = kWidth / 2;  // fp32 accumulators per thread: (64, width) / 128
+      // Chunks per pipeline group (see the pipeline below).
+      // Tiles up to N = 64 pair chunks: the A fragments of two chunks (32 registers) fit next to
+      // their accumulators, while the 128-token tile needs those registers for its 64
+      // accumulators. (Four chunks per group at N = 16 measured 3-8% slower: 123-140 registers
+      // cost a CTA per SM.)
+      constexpr int kGroup = kBlockN <= 64 ? 2 : 1;
+      static_assert(kGroup <= 2, "the tail handles at most one leftover chunk");
+      static_assert(kStages >= 2 * kGroup && kStages % kGroup == 0,
+                    "need kStages >= 2 * kGroup (a group computing, a group landing), a multiple of kGroup");
       const int e = w.expert, m_block = w.m_block;
       const int slot_begin = w.slot_begin, slot_end = w.slot_end;
       const int m_tile = m_block * kWarpgroups + wg;
@@ -317,8 +328,12 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
       const int k_begin = w.k_split * p.k_chunks_per_split;
       const int n = min(p.k_chunks_per_split, p.k_chunks - k_begin);  // chunks of this work item
       const int64_t a_tile0 = static_cast<int64_t>(m_block * kWarpgroups + wg) * p.k_chunks + k_begin;
-      // Sources of chunk 0 of the current round; chunk i of the round is at + i * (chunk stride).
-      const uint8_t* code_src = p.codes + e * p.code_expert_stride + a_tile0 * kCodeBytesPerTile + wtid * 16;
+      // Weight sources of the next group of chunks to copy (advanced by one group per group of
+      // copies). The code pointer sits half a group past the group's first chunk so the chunks'
+      // offsets, -1 KiB and +1 KiB, fit the LDGSTS immediate; two chunks further (4 KiB) made
+      // ptxas add a 64-bit offset per copy.
+      constexpr int kCodeBias = (kGroup - 1) * kCodeBytesPerTile / 2;
+      const uint8_t* code_src = p.codes + e * p.code_expert_stride + a_tile0 * kCodeBytesPerTile + wtid * 16 + kCodeBias;
       const uint8_t* scale_src = p.scales + e * p.scale_expert_stride + a_tile0 * kScaleBytesPerTile + wtid * 16;
       const bool copies_scales = wtid < kScaleBytesPerTile / 16;
       const char* b_src[kPieces];
@@ -345,9 +360,11 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
       auto load = [&](auto offset) {
         constexpr int kOffset = decltype(offset)::value;
         constexpr int kStage = kOffset % kStages;
-        detail::cp_async_16(code_dst + kStage * Smem::kCodeStageBytes, code_src + kOffset * kCodeBytesPerTile, true);
+        constexpr int kInGroup = kOffset % kGroup;
+        detail::cp_async_16(code_dst + kStage * Smem::kCodeStageBytes,
+                            code_src + kInGroup * kCodeBytesPerTile - kCodeBias, true);
         if (copies_scales) {
-          detail::cp_async_16(scale_dst + kStage * Smem::kScaleStageBytes, scale_src + kOffset * kScaleBytesPerTile, true);
+          detail::cp_async_16(scale_dst + kStage * Smem::kScaleStageBytes, scale_src + kInGroup * kScaleBytesPerTile, true);
         }
         #pragma unroll
         for (int j = 0; j < kPieces; ++j) {
@@ -361,19 +378,15 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
 
       // Pipeline: chunks are consumed kGroup at a time per barrier (amortising the barrier, the
       // waits and the wgmma round trip), with kStages - kGroup chunks of copies in flight
-      // ahead of the group being computed. Every group commits exactly kGroup cp.async groups
-      // (some empty at the end of K), so the number allowed to stay pending is a constant.
-      // Tiles up to N = 64 pair chunks: the A fragments of two chunks (32 registers) fit next to
-      // their accumulators, while the 128-token tile needs those registers for its 64
-      // accumulators. (Four chunks per group at N = 16 measured 3-8% slower: 123-140 registers
-      // cost a CTA per SM.)
-      constexpr int kGroup = kBlockN <= 64 ? 2 : 1;
-      static_assert(kGroup <= 2, "the tail handles at most one leftover chunk");
-      static_assert(kStages >= 2 * kGroup && kStages % kGroup == 0,
-                    "need kStages >= 2 * kGroup (a group computing, a group landing), a multiple of kGroup");
+      // ahead of the group being computed. Every group of chunks is one cp.async group (empty
+      // at the end of K), so the number allowed to stay pending is a constant.
       detail::static_for<kStages - kGroup>([&](auto s) {
         if (static_cast<int>(decltype(s)::value) < n) load(s);
-        detail::cp_async_commit();
+        if constexpr ((decltype(s)::value + 1) % kGroup == 0) {
+          detail::cp_async_commit();
+          code_src += kGroup * kCodeBytesPerTile;
+          scale_src += kGroup * kScaleBytesPerTile;
+        }
       });
 
       // Decodes kChunks consecutive chunks from stages kFirstStage.. (all landed), then issues
@@ -438,21 +451,29 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
             done = true;
             return;
           }
-          detail::cp_async_wait<kStages - 2 * kGroup>();
+          detail::cp_async_wait<(kStages - 2 * kGroup) / kGroup>();
           // Completion of this thread's copies + the barrier publish the group to every thread and
           // to wgmma. No proxy fence: it lowers to MEMBAR.ALL.CTA, which waits for every cp.async
           // in flight and collapses the pipeline; CUTLASS's cp.async GMMA mainloops likewise hand
           // cp.async stages to wgmma through a barrier alone.
           __syncthreads();  // this group visible to all; everyone is done with the previous group
-          detail::static_for<kGroup>([&](auto j) {
-            constexpr int kOffset = kFirst + kStages - kGroup + decltype(j)::value;  // < 2 * kStages
-            if (base + kOffset < n) load(std::integral_constant<int, kOffset>{});
-            detail::cp_async_commit();
-          });
+          // The group's refills: chunks base + kFirst + kStages - kGroup .. + kStages - 1. One
+          // range test for the whole group away from the end of K (a test and a branch per chunk,
+          // each branch target starting a new block that ptxas pads before its first LDGSTS, cost
+          // ~8 issue slots per chunk in a loop that is issue-bound at the narrow tiles).
+          constexpr int kRefill = kFirst + kStages - kGroup;  // < 2 * kStages
+          if (base + kRefill + kGroup <= n) {
+            detail::static_for<kGroup>([&](auto j) { load(std::integral_constant<int, kRefill + decltype(j)::value>{}); });
+          } else {
+            detail::static_for<kGroup>([&](auto j) {
+              if (base + kRefill + decltype(j)::value < n) load(std::integral_constant<int, kRefill + decltype(j)::value>{});
+            });
+          }
+          detail::cp_async_commit();
+          code_src += kGroup * kCodeBytesPerTile;
+          scale_src += kGroup * kScaleBytesPerTile;
           compute_chunks(std::integral_constant<int, kGroup>{}, std::integral_constant<int, kFirst>{});
         });
-        code_src += kStages * kCodeBytesPerTile;
-        scale_src += kStages * kScaleBytesPerTile;
         #pragma unroll
         for (int j = 0; j < kPieces; ++j) b_src[j] += kStages * kChunkK * 2;
       }
