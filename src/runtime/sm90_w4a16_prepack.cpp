@@ -51,12 +51,18 @@ void prepack(int64_t rows, int64_t k_begin, int64_t k_len, RowSource source,
           for (int b = 0; b < 4; ++b) dst[b] = static_cast<uint8_t>(word >> (8 * b));
         }
       }
+      // Per quad (w, g): two little-endian scale words, word i = steps 2i, 2i + 1, its half h
+      // for row 16w + g + 8h (sm90_w4a16_layout.h, "Scale encoding").
       for (int w = 0; w < 4; ++w) {
         for (int g = 0; g < 8; ++g) {
-          for (int s = 0; s < kStepsPerChunk; ++s) {
+          for (int i = 0; i < kStepsPerChunk / 2; ++i) {
             for (int h = 0; h < 2; ++h) {
               const int r = 16 * w + g + 8 * h;
-              tile_scales[(w * 8 + g) * 8 + 2 * s + h] = row_scales[r][k0 / 16 + s];
+              const uint16_t half = scale_half(encode_scale(row_scales[r][k0 / 16 + 2 * i]),
+                                               encode_scale(row_scales[r][k0 / 16 + 2 * i + 1]));
+              uint8_t* dst = tile_scales + (w * 8 + g) * 8 + 4 * i + 2 * h;
+              dst[0] = static_cast<uint8_t>(half & 0xFF);
+              dst[1] = static_cast<uint8_t>(half >> 8);
             }
           }
         }

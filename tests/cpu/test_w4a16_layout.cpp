@@ -50,15 +50,33 @@ TEST(W4a16Layout, EveryElementDecodesToE2m1Times2PowMinus126) {
   }
 }
 
-TEST(W4a16Layout, ScaleConstantRebiasesF16ToBf16Times2Pow118) {
-  // Every nonzero valid ue4m3 scale: its f16 bits >> 3 + the constant is bf16(scale * 2^118).
-  for (int code = 1; code < 0x7F; ++code) {
-    const float scale = format::e4m3_to_f32(static_cast<uint8_t>(code));
-    const uint16_t f16 = f32_to_f16(scale);  // exact: at most 3 mantissa bits, >= 2^-9
-    const uint32_t bits = (static_cast<uint32_t>(f16) >> 3) + (kScaleF16ToBf16Times2Pow118 & 0xFFFFu);
-    ASSERT_LT(bits, 0x7F80u) << "scale code " << code << " overflows bf16";
-    EXPECT_EQ(bf16_to_f32(static_cast<uint16_t>(bits)), std::ldexp(scale, 118)) << "scale code " << code;
+TEST(W4a16Layout, EveryScaleDecodesToBf16Times2Pow118) {
+  // Every pair of nonzero valid ue4m3 scales (subnormals included), in both steps of a word and
+  // both rows, with a different pair in the other half and the other step: the decoded bf16 is
+  // exactly scale * 2^118, and no other scale's bits leak in.
+  for (int a = 1; a < 0x7F; ++a) {
+    for (int b = 1; b < 0x7F; b += (a % 7) + 1) {
+      const uint8_t ea = encode_scale(static_cast<uint8_t>(a)), eb = encode_scale(static_cast<uint8_t>(b));
+      // Row r0 holds (a, b); row r1 holds (b, a).
+      const uint32_t word = scale_half(ea, eb) | static_cast<uint32_t>(scale_half(eb, ea)) << 16;
+      const uint32_t even = scale_register<0>(word), odd = scale_register<1>(word);
+      const auto expect = [](int code, uint32_t bits) {
+        const float scale = format::e4m3_to_f32(static_cast<uint8_t>(code));
+        EXPECT_EQ(bf16_to_f32(static_cast<uint16_t>(bits)), std::ldexp(scale, 118)) << "scale code " << code;
+      };
+      expect(a, even & 0xFFFFu);
+      expect(b, even >> 16);
+      expect(b, odd & 0xFFFFu);
+      expect(a, odd >> 16);
+    }
   }
+}
+
+TEST(W4a16Layout, ZeroScaleDecodesFinite) {
+  // A zero scale's block stores codes 0, so its decoded scale only has to be finite.
+  const uint32_t word = scale_half(encode_scale(0), encode_scale(0));
+  EXPECT_TRUE(std::isfinite(bf16_to_f32(static_cast<uint16_t>(scale_register<0>(word)))));
+  EXPECT_TRUE(std::isfinite(bf16_to_f32(static_cast<uint16_t>(scale_register<1>(word)))));
 }
 
 }  // namespace

@@ -402,11 +402,11 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
           const uint4 q = *reinterpret_cast<const uint4*>(code_lds + (kFirstStage + j) * Smem::kCodeStageBytes);
           const uint2 sc = *reinterpret_cast<const uint2*>(scale_lds + (kFirstStage + j) * Smem::kScaleStageBytes);
           const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-          const uint32_t scale_pairs[2] = {sc.x, sc.y};
+          const uint32_t scale_words[2] = {sc.x, sc.y};  // steps (0, 1) and (2, 3)
           detail::static_for<kStepsPerChunk>([&](auto step) {
             constexpr int s = decltype(step)::value;
-            // Scales (row r0, row r0 + 8) of k-block s of this chunk: half s % 2 of pair word s / 2.
-            decode_step<s % 2>(words[s], scale_pairs[s / 2], a[j][s]);
+            // Scales (row r0, row r0 + 8) of k-block s of this chunk: scale word s / 2.
+            decode_step<s % 2>(words[s], scale_words[s / 2], a[j][s]);
           });
         }
         detail::wgmma_fence();

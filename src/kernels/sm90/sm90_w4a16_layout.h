@@ -7,15 +7,16 @@
 // of the warpgroup the 8 elements
 //     a0,a1 = (row r0, k 2t, 2t+1)    a2,a3 = (row r1, k 2t, 2t+1)
 //     a4,a5 = (row r0, k 2t+8, 2t+9)  a6,a7 = (row r1, k 2t+8, 2t+9),  r0 = 16w + g, r1 = r0 + 8.
-// Prepacking is a reshuffle of the checkpoint's nibbles and scale bytes (same bits, nothing
-// converted: code bits move, scale bytes move; a block with scale 0 stores codes 0) so that:
+// Prepacking reshuffles the checkpoint's code bits and re-encodes each scale byte one-to-one
+// (nothing is rounded: the codes' bits move, every scale keeps its exact value; a block with
+// scale 0 stores codes 0) so that:
 //   * one 16-byte load gives a thread its codes for 4 k16 steps (one 64-wide K chunk); the 128
 //     threads of a warpgroup read one contiguous 2 KiB block per (64-row tile, K chunk);
 //   * word s of those 16 bytes holds the step-s codes of elements a_0..a_7, their bits placed
 //     (below) so that each bf16x2 A register j = {a_2j, a_2j+1} is one mask of a shifted or
 //     rotated word (one register takes two): 9 integer instructions per 8 weights;
 //   * the 8 scale bytes a thread needs per chunk (rows r0, r1 x 4 steps) are contiguous, shared
-//     by the 4 threads of a quad: byte 2s + h = scale(row r0 + 8h, k-block 4*chunk + s).
+//     by the 4 threads of a quad, as two words each holding steps 2i and 2i + 1 (below).
 //
 // Code bit placement. An e2m1 code is (sign, e1, e0, m). Placing (e1, e0, m) at bf16 bits 8, 7, 6
 // and the sign at bit 15 makes the bf16 value exactly e2m1 * 2^-126 for all 16 codes (code 1, 0.5,
@@ -34,6 +35,18 @@
 // cost 11 instructions per step; the decode loop is issue-bound, ncu: ~0.9 IPC per scheduler).
 // A block whose scale is 0 stores codes 0 (its weights are 0 whatever the codes), so that the
 // mainloop's scale conversion need not special-case a zero scale.
+//
+// Scale encoding. Every nonzero ue4m3 scale is 2^x * 1.mmm with x in [-9, 8] (the subnormals
+// 0x01..0x07 normalised) and 3 mantissa bits, so one byte holds it as (x + 21) << 3 | mmm with
+// x + 21 in [12, 29]: five bits. Shifted left by 4 that byte is the low five exponent bits and
+// the top three mantissa bits of a bf16, and OR-ing 0x7000 (exponent bits 224) makes it exactly
+// bf16(scale * 2^118): exponent 224 + x + 21 = x + 118 + 127. Scale 0 encodes as 0 (bf16 2^97,
+// harmless: its block's codes are 0). A scale word holds the encoded bytes E_a, E_b of steps
+// a = 2i and b = 2i + 1 for row r0 in its low half and row r1 in its high half, each half as
+//     bits 4..11 = E_a,  bits 12..15 = E_b & 0xF,  bits 0..3 = E_b >> 4,
+// so step a's bf16x2 scale pair is one LOP3, (word & 0x0FF00FF0) | 0x70007000, and step b's a
+// byte swap within each half (one PRMT) and the same LOP3: 1.5 instructions per step where the
+// hardware e4m3x2 -> f16x2 conversion and its rebias took 2.
 #pragma once
 
 #include <cstdint>
@@ -88,7 +101,28 @@ constexpr uint32_t step_register(uint32_t word, int j) {
 
 // The A operand carries a factor 2^-8 (see above): the epilogue multiplies accumulators by this.
 inline constexpr float kAccumulatorUnscale = 256.0f;
-// bf16x2 of (block scale * 2^118) from the f16x2 of the block scale: (f16 >> 3) + this.
-inline constexpr uint32_t kScaleF16ToBf16Times2Pow118 = (112u + 118u) << 7 | ((112u + 118u) << 7) << 16;
+
+// The prepacked byte of a valid ue4m3 scale (0x00..0x7E; see "Scale encoding" above).
+constexpr uint8_t encode_scale(uint8_t ue4m3) {
+  const int field = ue4m3 >> 3, mant = ue4m3 & 7;
+  if (ue4m3 == 0) return 0;
+  if (field > 0) return static_cast<uint8_t>((field - 7 + 21) << 3 | mant);
+  // Subnormal mant * 2^-9: normalise the leading one of mant into the implicit bit.
+  const int lead = mant >= 4 ? 2 : mant >= 2 ? 1 : 0;
+  return static_cast<uint8_t>((lead - 9 + 21) << 3 | ((mant << (3 - lead)) & 7));
+}
+// The 16-bit half of a scale word for one row: encoded scales of steps 2i (a) and 2i + 1 (b).
+constexpr uint16_t scale_half(uint8_t encoded_a, uint8_t encoded_b) {
+  return static_cast<uint16_t>(encoded_a << 4 | (encoded_b & 0xF) << 12 | encoded_b >> 4);
+}
+inline constexpr uint32_t kScaleMask = 0x0FF00FF0u;       // E at bits 4..11 of both halves
+inline constexpr uint32_t kScaleExponentHigh = 0x70007000u;  // bf16 exponent bits 224
+// bf16x2 {lo: row r0, hi: row r1} of (scale * 2^118) for step 2i + kOdd of a scale word (host
+// reference of the mainloop's decode, which swaps the bytes with one PRMT).
+template <int kOdd>
+constexpr uint32_t scale_register(uint32_t word) {
+  if constexpr (kOdd) word = ((word >> 8) & 0x00FF00FFu) | ((word << 8) & 0xFF00FF00u);
+  return (word & kScaleMask) | kScaleExponentHigh;
+}
 
 }  // namespace megamoe::kernels::sm90::w4a16
