@@ -357,6 +357,7 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
       const uint64_t b_desc0 = detail::make_sw128_desc(smem + Smem::kBOffset);  // stage 0
 
       // Copies chunk (round base + kOffset) into stage kOffset % kStages; kOffset < 2 * kStages.
+      // Its weights are chunk kOffset % kGroup of the group the weight pointers stand at.
       auto load = [&](auto offset) {
         constexpr int kOffset = decltype(offset)::value;
         constexpr int kStage = kOffset % kStages;
