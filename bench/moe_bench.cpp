@@ -238,7 +238,9 @@ int run_bench(const BenchOptions& opt) {
   const int64_t max_T = *std::max_element(opt.tokens.begin(), opt.tokens.end());
   MoeProblem problem = MoeProblem::from_layer(layer, std::max<int64_t>(max_T, 64));
   problem.deterministic = opt.deterministic;
-  const MoePlan plan = MoePlan::create(problem);
+  MoeTuning tuning;
+  tuning.fused = opt.fused;
+  const MoePlan plan = MoePlan::create(problem, tuning);
   const MoeDeviceWeights weights = MoeDeviceWeights::upload(layer, stream);
   DeviceBuffer<uint8_t> workspace(plan.workspace_bytes());
   std::fprintf(stderr, "bench: layer %lld: H=%lld I=%lld E=%lld top-%d shared I=%lld; NVFP4 weights %.2f GB on device, workspace %.2f GB [%.0fs]\n",

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,7 @@ struct BenchOptions {
   int check_tokens = 4;     // tokens checked against the CPU reference
   bool baseline = true;     // time the bf16 cuBLAS baseline too
   bool deterministic = false;
+  std::optional<bool> fused;  // MoeTuning override (unset: the heuristic's choice)
   uint64_t seed = 0x5eed;
   std::string json;         // write the results here when set
   std::string work_dir;     // where the synthesized checkpoint goes (default: a temp dir)

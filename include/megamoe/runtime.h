@@ -35,14 +35,24 @@ struct GemmConfig {
   int k_splits = 1;    // K slices per output tile, added atomically (L2 atomic combine only)
   std::string to_string() const;
 };
+// Whether two configurations run the same kernel tile (warpgroups, BLOCK_N, stages).
+bool same_tile(const GemmConfig& a, const GemmConfig& b);
 struct MoeConfig {
-  GemmConfig l1;  // x · W13ᵀ + SwiGLU
-  GemmConfig l2;  // a · W2ᵀ + combine
+  GemmConfig l1;       // x · W13ᵀ + SwiGLU
+  GemmConfig l2;       // a · W2ᵀ + combine
+  bool fused = false;  // L1 and L2 in one persistent launch (16-token decode tile only)
   std::string to_string() const;
 };
 
-// The heuristic: a pure function of the problem and the token count (printable).
-MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens);
+// The heuristic: a pure function of the problem, the token count and the device's SM count
+// (printable).
+MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms = 132);
+
+// Overrides of the heuristic, for tuning and tests; unset fields keep the heuristic's choice.
+// MoePlan::config() rejects an override the kernels cannot run, saying what is allowed.
+struct MoeTuning {
+  std::optional<bool> fused;  // the fused L1 + L2 launch (needs the 16-token tile in both GEMMs)
+};
 
 // The stacked NVFP4 expert layout inference engines keep on the GPU (DESIGN.md §2): DEVICE
 // pointers to row-major, contiguous tensors. Codes are packed e2m1 (element 2j in the low nibble),
@@ -108,8 +118,12 @@ class MoePlan {
  public:
   // Validates the problem against what the sm90 kernels support and the current device.
   // Throws megamoe::Error(kUnsupported / kInvalidArgument) saying what is allowed.
-  static MoePlan create(const MoeProblem& problem);
+  static MoePlan create(const MoeProblem& problem, const MoeTuning& tuning = {});
   const MoeProblem& problem() const { return problem_; }
+  const MoeTuning& tuning() const { return tuning_; }
+  // The configuration run() uses for T tokens: the heuristic's, with the tuning overrides.
+  // Throws megamoe::Error(kInvalidArgument) when an override cannot run at this T.
+  MoeConfig config(int64_t tokens) const;
   size_t workspace_bytes() const;
   int num_sms() const { return num_sms_; }
   // The configuration run() will use for T tokens, as text.
@@ -120,6 +134,7 @@ class MoePlan {
 
  private:
   MoeProblem problem_;
+  MoeTuning tuning_;
   int num_sms_ = 0;
 };
 

@@ -7,6 +7,7 @@
 // consumer warpgroups share a 128-token B tile, halving the B traffic per decoded weight and
 // giving the tensor cores long wgmma runs. Within a tile, each work item runs at the narrowest
 // token width that holds its slots (the kernel's choice, not this heuristic's).
+#include <cmath>
 #include <sstream>
 
 #include "megamoe/runtime.h"
@@ -21,10 +22,17 @@ std::string GemmConfig::to_string() const {
 }
 
 std::string MoeConfig::to_string() const {
-  return "L1{" + l1.to_string() + "} L2{" + l2.to_string() + "}";
+  return "L1{" + l1.to_string() + "} L2{" + l2.to_string() + "}" + (fused ? " fused" : "");
 }
 
-MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens) {
+bool same_tile(const GemmConfig& a, const GemmConfig& b) {
+  return a.warpgroups == b.warpgroups && a.block_n == b.block_n && a.stages == b.stages;
+}
+
+// CTAs per SM of the 16-token decode tile (its kernel's launch bounds, sm90_moe_runtime.cu).
+constexpr int kDecodeCtasPerSm = 6;
+
+MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms) {
   // Average rows of B per routed expert.
   const double per_expert = problem.num_experts > 0
                                 ? static_cast<double>(tokens) * problem.top_k / problem.num_experts
@@ -64,6 +72,24 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens) {
   // (deterministic) combine keeps whole tiles.
   if (tokens == 1 && !problem.deterministic && problem.intermediate_size % 128 == 0) {
     cfg.l2.k_splits = 2;
+  }
+  // Decode: both GEMMs in one persistent launch, where L1 ends in a partial wave of items that
+  // L2 items can fill (they start as soon as their expert's L1 items are done). Measured on
+  // H200 against two launches (docs/perf/2026-11-21-h200-w4a16-v6.md), in waves of L1 items
+  // over the 16-token tile's CTA slots: DeepSeek-V3 T=2 (1.4 waves) 158 -> 144 us, T=4 (2.6)
+  // 236 -> 228, Qwen3-30B T=4 (0.9) 46.8 -> 45.4, T=16 (2.5) 93.0 -> 87.7, T=64 (3.9) 124.3 ->
+  // 121.6; but Qwen3 T=2 (0.5 waves: no tail to fill) 31.6 -> 33.3, DeepSeek-V3 T=16 (8 waves)
+  // 688 -> 696 and T=64 1447 -> 1474.
+  if (same_tile(cfg.l1, decode) && same_tile(cfg.l2, decode) && num_sms > 0) {
+    const double E = static_cast<double>(problem.num_experts);
+    const double chunks = static_cast<double>(problem.shared_intermediate_size / problem.intermediate_size);
+    // Expected routed experts with tokens under uniform routing, then the shared slices (every
+    // token: one 16-token tile per 16 tokens).
+    const double active = E * (1.0 - std::pow(1.0 - problem.top_k / E, static_cast<double>(tokens)));
+    const double tiles = active + chunks * std::ceil(static_cast<double>(tokens) / decode.block_n);
+    const double l1_items = tiles * static_cast<double>(2 * problem.intermediate_size / 64);
+    const double waves = l1_items / (static_cast<double>(num_sms) * kDecodeCtasPerSm);
+    cfg.fused = waves >= 0.6 && waves <= 4.5;
   }
   return cfg;
 }

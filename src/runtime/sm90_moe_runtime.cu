@@ -69,8 +69,14 @@ void validate_problem(const MoeProblem& p) {
 }
 
 // Workspace: every region 256-byte aligned, sized for max_tokens.
+// The int32 counters the dispatch kernel zeroes: [0] L1 work items, [1] L2 work items, [2] CTAs
+// done zeroing (fused launch), then per expert the L1 items done (fused launch).
+inline constexpr int64_t kCtasZeroedCounter = 2;
+inline constexpr int64_t kL1DoneCounters = 3;
+int64_t counter_count(const MoeProblem& p) { return kL1DoneCounters + virtual_experts(p); }
+
 struct WorkspaceLayout {
-  size_t expert_offsets, l1_tiles, l2_tiles, invalid, work_counters, slot_token, slot_weight, token_slot, act,
+  size_t expert_offsets, l1_tiles, l2_tiles, invalid, counters, slot_token, slot_weight, token_slot, act,
       out_acc, y_slot, total;
 };
 WorkspaceLayout workspace_layout(const MoeProblem& p) {
@@ -87,7 +93,7 @@ WorkspaceLayout workspace_layout(const MoeProblem& p) {
   w.l1_tiles = take(ev * 4);
   w.l2_tiles = take(ev * 4);
   w.invalid = take(4);
-  w.work_counters = take(2 * 4);
+  w.counters = take(static_cast<size_t>(counter_count(p)) * 4);
   w.slot_token = take(slots * 4);
   w.slot_weight = take(slots * 4);
   w.token_slot = take(slots * 4);
@@ -229,7 +235,7 @@ MoeDeviceWeights MoeDeviceWeights::upload(const MoeLayer& layer, cudaStream_t st
 // ------------------------------------------------------------------------------------------
 // Plan
 
-MoePlan MoePlan::create(const MoeProblem& problem) {
+MoePlan MoePlan::create(const MoeProblem& problem, const MoeTuning& tuning) {
   validate_problem(problem);
   int device = 0;
   check_cuda(cudaGetDevice(&device), "cudaGetDevice");
@@ -240,15 +246,30 @@ MoePlan MoePlan::create(const MoeProblem& problem) {
                 ") is not supported; this build runs on Hopper (sm_90: H100/H200) only");
   MoePlan plan;
   plan.problem_ = problem;
+  plan.tuning_ = tuning;
   plan.num_sms_ = prop.multiProcessorCount;
   return plan;
+}
+
+MoeConfig MoePlan::config(int64_t tokens) const {
+  const MoeProblem& p = problem_;
+  MoeConfig cfg = choose_moe_config(p, tokens, num_sms_);
+  if (tuning_.fused) {
+    const GemmConfig decode{1, 16, 8};
+    MEGAMOE_CHECK(!*tuning_.fused || (same_tile(cfg.l1, decode) && same_tile(cfg.l2, decode)),
+                  kInvalidArgument, "MoeTuning.fused: the fused launch is built for the 16-token tile (",
+                  decode.to_string(), ") in both GEMMs; at T=", tokens, " the heuristic picks ",
+                  cfg.to_string());
+    cfg.fused = *tuning_.fused;
+  }
+  return cfg;
 }
 
 size_t MoePlan::workspace_bytes() const { return workspace_layout(problem_).total; }
 
 std::string MoePlan::describe(int64_t tokens) const {
   std::ostringstream os;
-  os << "T=" << tokens << " " << choose_moe_config(problem_, tokens).to_string()
+  os << "T=" << tokens << " " << config(tokens).to_string()
      << (problem_.deterministic ? " deterministic" : " atomic-combine");
   return os.str();
 }
@@ -341,6 +362,21 @@ void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params,
   }
 }
 
+// The fused L1 + L2 launch; instantiated for the 16-token decode tile only (MoePlan::config
+// rejects anything else).
+void launch_fused(const MoeConfig& c, const k90::W4a16FusedParams& params, int num_sms, int64_t max_work,
+                  cudaStream_t stream) {
+  MEGAMOE_CHECK(same_tile(c.l1, GemmConfig{1, 16, 8}) && same_tile(c.l2, GemmConfig{1, 16, 8}), kInternal,
+                "no fused kernel instantiated for ", c.to_string());
+  using Smem = k90::W4a16SmemLayout<1, 16, 8>;
+  auto* kernel = &k90::w4a16_fused_moe_kernel<1, 16, 8, 6>;
+  static const int blocks_per_sm = prepare_kernel(kernel, 128, Smem::kAllocBytes);
+  // Every CTA must be resident at once (L2 items wait for L1 items held by other CTAs): the grid
+  // never exceeds the occupancy.
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(int64_t{num_sms} * blocks_per_sm, max_work));
+  launch_dependent(kernel, static_cast<unsigned>(grid), 128, Smem::kAllocBytes, stream, params);
+}
+
 }  // namespace
 
 void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs& args,
@@ -365,7 +401,7 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
                     reinterpret_cast<uintptr_t>(args.workspace) % 256 == 0,
                 kInvalidArgument, "run: hidden and output must be 16-byte aligned, workspace 256-byte aligned");
 
-  const MoeConfig cfg = choose_moe_config(p, args.tokens);
+  const MoeConfig cfg = plan.config(args.tokens);
   const auto L = workspace_layout(p);
   const int64_t T = args.tokens, H = p.hidden_size, I = p.intermediate_size;
   const int64_t EV = virtual_experts(p), spt = slots_per_token(p);
@@ -392,7 +428,8 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   d.slot_weight = at<float>(ws, L.slot_weight);
   d.token_slot = at<int32_t>(ws, L.token_slot);
   d.invalid_ids = at<int32_t>(ws, L.invalid);
-  d.work_counters = at<int32_t>(ws, L.work_counters);
+  d.counters = at<int32_t>(ws, L.counters);
+  d.counter_count = static_cast<int32_t>(counter_count(p));
   k90::moe_dispatch_kernel<<<1, k90::kDispatchThreads, 0, stream>>>(d);
   check_cuda(cudaGetLastError(), "moe_dispatch_kernel launch");
 
@@ -423,7 +460,7 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   g1.b_ld = H;
   g1.expert_offsets = d.expert_offsets;
   g1.tile_offsets = d.l1_tile_offsets;
-  g1.work_counter = d.work_counters;
+  g1.work_counter = d.counters;
   g1.num_experts = static_cast<int32_t>(EV);
   g1.slot_token = d.slot_token;
   g1.slot_weight = d.slot_weight;
@@ -432,8 +469,6 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   g1.swiglu_limit = limit;
   g1.zero_first = p.deterministic ? nullptr : at<float>(ws, L.out_acc);
   g1.zero_count = p.deterministic ? 0 : T * H;
-  launch_gemm_config<true>(cfg.l1, g1, plan.num_sms(), max_work(cfg.l1, d.l1_m_tiles), stream);
-
   k90::W4a16GemmParams g2 = g1;
   g2.codes = w.w2_codes;
   g2.scales = w.w2_scales;
@@ -448,14 +483,25 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   g2.b_src = at<__nv_bfloat16>(ws, L.act);
   g2.b_ld = I;
   g2.tile_offsets = d.l2_tile_offsets;
-  g2.work_counter = d.work_counters + 1;
+  g2.work_counter = d.counters + 1;
   g2.act = nullptr;
   g2.out_acc = p.deterministic ? nullptr : at<float>(ws, L.out_acc);
   g2.y_slot = p.deterministic ? at<float>(ws, L.y_slot) : nullptr;
   g2.out_ld = H;
   g2.zero_first = nullptr;
   g2.zero_count = 0;
-  launch_gemm_config<false>(cfg.l2, g2, plan.num_sms(), max_work(cfg.l2, d.l2_m_tiles), stream);
+  const int64_t l1_work = max_work(cfg.l1, d.l1_m_tiles), l2_work = max_work(cfg.l2, d.l2_m_tiles);
+  if (cfg.fused) {
+    k90::W4a16FusedParams f{};
+    f.l1 = g1;
+    f.l2 = g2;
+    f.l1_tiles_done = d.counters + kL1DoneCounters;
+    f.ctas_zeroed = d.counters + kCtasZeroedCounter;
+    launch_fused(cfg, f, plan.num_sms(), l1_work + l2_work, stream);
+  } else {
+    launch_gemm_config<true>(cfg.l1, g1, plan.num_sms(), l1_work, stream);
+    launch_gemm_config<false>(cfg.l2, g2, plan.num_sms(), l2_work, stream);
+  }
 
   k90::CombineParams c{};
   c.out_acc = p.deterministic ? nullptr : at<float>(ws, L.out_acc);

@@ -53,6 +53,22 @@ TEST(Heuristics, L2SplitsKOnlyForASingleToken) {
   EXPECT_EQ(choose_moe_config(odd_slices, 1).l2.k_splits, 1);
 }
 
+TEST(Heuristics, DecodeFusesTheGemmsWhenL1EndsInAPartialWave) {
+  const MoeProblem dsv3 = deepseek_v3(), qwen3 = qwen3_30b();
+  const int sms = 132;  // H100 / H200 SXM
+  // L1 items in waves of the 16-token tile's 792 CTA slots: fused from 0.6 to 4.5 waves.
+  EXPECT_TRUE(choose_moe_config(dsv3, 1, sms).fused);    // 576 items, 0.7 waves
+  EXPECT_TRUE(choose_moe_config(dsv3, 4, sms).fused);    // 2.6 waves
+  EXPECT_FALSE(choose_moe_config(dsv3, 16, sms).fused);  // 8 waves
+  EXPECT_FALSE(choose_moe_config(qwen3, 2, sms).fused);  // 0.5 waves: no tail to fill
+  EXPECT_TRUE(choose_moe_config(qwen3, 16, sms).fused);
+  EXPECT_TRUE(choose_moe_config(qwen3, 256, sms).fused);
+  EXPECT_FALSE(choose_moe_config(qwen3, 1024, sms).fused);  // 48-token tile: no fused kernel
+  EXPECT_FALSE(choose_moe_config(dsv3, 4096, sms).fused);
+  // Fewer SMs: the same items make more waves.
+  EXPECT_FALSE(choose_moe_config(dsv3, 4, 60).fused);
+}
+
 TEST(Heuristics, OddTileCountsAvoidTheTwoWarpgroupTile) {
   MoeProblem p = deepseek_v3();
   p.hidden_size = 192;  // L2 has 3 row tiles of 64

@@ -25,14 +25,15 @@ struct GpuMoe {
   MoePlan plan;
   MoeDeviceWeights weights;
   DeviceBuffer<uint8_t> workspace;
-  GpuMoe(const MoeLayer& layer, int64_t max_tokens, bool deterministic)
-      : plan(make_plan(layer, max_tokens, deterministic)),
+  GpuMoe(const MoeLayer& layer, int64_t max_tokens, bool deterministic, const MoeTuning& tuning = {})
+      : plan(make_plan(layer, max_tokens, deterministic, tuning)),
         weights(MoeDeviceWeights::upload(layer)),
         workspace(plan.workspace_bytes()) {}
-  static MoePlan make_plan(const MoeLayer& layer, int64_t max_tokens, bool deterministic) {
+  static MoePlan make_plan(const MoeLayer& layer, int64_t max_tokens, bool deterministic,
+                           const MoeTuning& tuning) {
     MoeProblem p = MoeProblem::from_layer(layer, max_tokens);
     p.deterministic = deterministic;
-    return MoePlan::create(p);
+    return MoePlan::create(p, tuning);
   }
   std::vector<uint16_t> run(const std::vector<uint16_t>& hidden, const reference::TopK& topk,
                             cudaStream_t stream = nullptr) {
@@ -63,7 +64,7 @@ struct Case {
 // gtest prints parameters in test names and failures: name the case instead of dumping bytes.
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
-void check_case(const Case& c, bool deterministic) {
+void check_case(const Case& c, bool deterministic, const MoeTuning& tuning = {}) {
   const unsigned seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << c.name << " H=" << c.H << " I=" << c.I << " E=" << c.E
                                     << " k=" << c.k << " T=" << c.T << " seed=" << seed);
@@ -74,7 +75,7 @@ void check_case(const Case& c, bool deterministic) {
                                             : testing::counted_topk(rng, c.expert_tokens);
   ASSERT_EQ(topk.tokens, c.T) << "case " << c.name << ": T must be the sum of expert_tokens";
   ASSERT_EQ(topk.k, c.k);
-  GpuMoe gpu(layer, c.T, deterministic);
+  GpuMoe gpu(layer, c.T, deterministic, tuning);
   const auto got = gpu.run(hidden, topk);
   // The oracle's output is bf16, like ours: the error is what our arithmetic adds beyond the
   // one final rounding both make. (Against the fp32 sum, that rounding alone is ~1.5e-3.)
@@ -135,6 +136,83 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"token_widths_tile48", 256, 128, 8, 1, 260, 0, std::nullopt, -1,
              testing::ScaleCodes::kRealistic, {1, 16, 17, 32, 33, 48, 49, 64}}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+// The decode tile with the launch forced either way (the heuristic picks one per T): the fused
+// L1 + L2 launch and the two-launch pipeline.
+struct TuningCase {
+  Case c;
+  bool fused;
+};
+void PrintTo(const TuningCase& tc, std::ostream* os) { *os << tc.c.name; }
+MoeTuning tuning_of(const TuningCase& tc) {
+  MoeTuning t;
+  t.fused = tc.fused;
+  return t;
+}
+
+class GpuMoeTuning : public ::testing::TestWithParam<TuningCase> {};
+
+TEST_P(GpuMoeTuning, MatchesReference) {
+  MEGAMOE_REQUIRE_GPU();
+  check_case(GetParam().c, /*deterministic=*/false, tuning_of(GetParam()));
+}
+TEST_P(GpuMoeTuning, DeterministicMatchesReference) {
+  MEGAMOE_REQUIRE_GPU();
+  check_case(GetParam().c, /*deterministic=*/true, tuning_of(GetParam()));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Decode, GpuMoeTuning,
+    ::testing::Values(
+        TuningCase{Case{"fused_T1", 512, 256, 16, 4, 1, 256}, true},
+        TuningCase{Case{"fused_T3", 512, 256, 16, 4, 3}, true},
+        TuningCase{Case{"fused_T16", 512, 256, 16, 4, 16, 256}, true},
+        TuningCase{Case{"fused_T40_many_experts", 512, 256, 64, 2, 40, 256}, true},
+        TuningCase{Case{"unfused_T1", 512, 256, 16, 4, 1, 256}, false},
+        TuningCase{Case{"unfused_T3", 512, 256, 16, 4, 3, 256}, false},
+        TuningCase{Case{"unfused_T16", 512, 256, 16, 4, 16}, false},
+        TuningCase{Case{"fused_deepseek_v3_T2", 7168, 2048, 8, 2, 2, 2048}, true},
+        TuningCase{Case{"fused_every_scale_code", 512, 256, 8, 2, 5, 256, std::nullopt, -1,
+                        testing::ScaleCodes::kEveryCode}, true},
+        TuningCase{Case{"fused_all_on_one_expert", 192, 64, 8, 1, 13, 0, std::nullopt, 5}, true},
+        TuningCase{Case{"fused_swiglu_clamp", 256, 128, 8, 2, 9, 0, 0.25f}, true}),
+    [](const ::testing::TestParamInfo<TuningCase>& info) { return std::string(info.param.c.name); });
+
+// DeepGEMM's rule for a fused path: bitwise equal to the unfused pipeline of the library's own
+// kernels. Deterministic mode makes both exact functions of the inputs, and the fused launch
+// changes only when an item runs, never its arithmetic.
+TEST(GpuMoe, FusedIsBitwiseTheTwoLaunchPipeline) {
+  MEGAMOE_REQUIRE_GPU();
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed=" << seed);
+  std::mt19937 rng(seed);
+  const int64_t H = 512;
+  const MoeLayer layer = testing::random_layer(rng, H, 256, 16, 4, 256);
+  for (int64_t T : {1, 11, 40}) {
+    const auto hidden = testing::random_hidden(rng, T, H);
+    const auto topk = testing::random_topk(rng, T, 16, 4);
+    MoeTuning fused, unfused;
+    fused.fused = true;
+    unfused.fused = false;
+    GpuMoe a(layer, T, true, fused), b(layer, T, true, unfused);
+    const auto got = a.run(hidden, topk);
+    ASSERT_EQ(got, b.run(hidden, topk)) << "T=" << T;
+    for (int rep = 0; rep < 3; ++rep) ASSERT_EQ(a.run(hidden, topk), got) << "T=" << T << " repetition " << rep;
+  }
+}
+
+TEST(GpuMoe, RejectsTuningThatCannotRun) {
+  MEGAMOE_REQUIRE_GPU();
+  std::mt19937 rng(fresh_seed());
+  const MoeLayer layer = testing::random_layer(rng, 256, 128, 8, 2);
+  const MoeProblem p = MoeProblem::from_layer(layer, 512);
+  MoeTuning t;
+  t.fused = true;
+  EXPECT_TRUE(MoePlan::create(p, t).config(8).fused);
+  EXPECT_THROW(MoePlan::create(p, t).config(512), Error);  // 128 tokens per expert: no fused kernel
+  t.fused = false;
+  EXPECT_FALSE(MoePlan::create(p, t).config(8).fused);
+}
 
 TEST(GpuMoe, ZeroTokensIsANoOp) {
   MEGAMOE_REQUIRE_GPU();

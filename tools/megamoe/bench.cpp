@@ -1,6 +1,7 @@
 // `megamoe bench [--preset NAME] [--tokens 1,4,...] [--json FILE] ...`: the W4A16 MoE layer on
 // this GPU against its floor and the bf16 cuBLAS baseline (bench/moe_bench.h).
 #include <memory>
+#include <string>
 
 #include "bench/moe_bench.h"
 #include "commands.h"
@@ -27,10 +28,14 @@ Command add_bench_command(CLI::App& parent) {
       ->capture_default_str();
   app->add_flag("!--no-baseline", opt->baseline, "skip the bf16 cuBLAS baseline");
   app->add_flag("--deterministic", opt->deterministic, "fixed-order combine");
+  auto fused = std::make_shared<std::string>();
+  app->add_option("--fused", *fused, "override the heuristic: the fused L1 + L2 launch (decode tile only)")
+      ->check(CLI::IsMember({"on", "off"}));
   app->add_option("--seed", opt->seed, "seed of the synthesized weights and inputs");
   app->add_option("--json", opt->json, "write the results as JSON (plot with bench/plot_bench.py)");
   app->add_option("--work-dir", opt->work_dir, "where to write the synthesized checkpoint");
-  return {app, [opt] {
+  return {app, [opt, fused] {
+            if (!fused->empty()) opt->fused = *fused == "on";
             if (bench::run_bench(*opt) != 0) {
               MEGAMOE_FAIL(kInternal, "the accuracy check failed (see above)");
             }

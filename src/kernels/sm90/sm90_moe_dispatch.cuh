@@ -35,7 +35,10 @@ struct DispatchParams {
   float* slot_weight;            // (S) routing weight of each slot (1 for shared slices)
   int32_t* token_slot;           // (T, k + shared_chunks) slot of each selection, -1 if invalid
   int32_t* invalid_ids;          // (1) number of ids outside [0, E)
-  int32_t* work_counters;        // (2) L1's and L2's dynamic work-item counters, zeroed here
+  // (counter_count) zeroed here before the GEMMs start: their work-item counters, the fused
+  // launch's per-expert L1 progress.
+  int32_t* counters;
+  int32_t counter_count;
 };
 
 inline constexpr int kDispatchThreads = 1024;
@@ -65,11 +68,8 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(Dispa
   for (int e = tid; e < num_virtual; e += kDispatchThreads) {
     counts[e] = e < p.num_experts ? 0 : p.tokens;
   }
-  if (tid == 0) {
-    invalid = 0;
-    p.work_counters[0] = 0;
-    p.work_counters[1] = 0;
-  }
+  if (tid == 0) invalid = 0;
+  for (int i = tid; i < p.counter_count; i += kDispatchThreads) p.counters[i] = 0;
   int32_t cached_id[kDispatchCachedPerThread];
   float cached_weight[kDispatchCachedPerThread];
 #pragma unroll

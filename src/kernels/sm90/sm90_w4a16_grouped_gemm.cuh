@@ -9,6 +9,11 @@
 // dispatch kernel from an atomic counter; each item runs at the narrowest token width that holds
 // its slots. The weights' decode (sm90_w4a16_decode.cuh) bounds the narrow-N (decode) tiles, so
 // the K loop is unrolled over its stages to keep every address an immediate.
+//
+// Two kernels run these items: w4a16_grouped_gemm_kernel runs one GEMM (L1 or L2) per launch;
+// w4a16_fused_moe_kernel runs L1's items and then L2's in one persistent launch, each L2 item
+// starting as soon as its expert's L1 tiles are complete (decode: no grid-wide barrier, no
+// launch between the GEMMs, and the CTAs that finish L1 early start L2).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -187,8 +192,42 @@ __device__ __forceinline__ WorkItem decode_work(const W4a16GemmParams& p, int wo
   return w;
 }
 
-// Epilogue of one warpgroup's (64, BLOCK_N) tile m_tile.
-// acc[4i + 2h + c] = (row r0 + 8h, column 8i + 2t + c), r0 = 16 * warp + g.
+// The fused kernel's L1 -> L2 hand-off through global counters, as CUTLASS's split-K semaphores
+// do it. The writer CTA: a CTA barrier after its stores, then one thread publishes with a release
+// add (cumulative over the stores the barrier ordered before it); the reader: one thread
+// acquires, then a CTA barrier. The data is read through L2 (cp.async.cg): another SM wrote it.
+__device__ __forceinline__ void red_release_add(int32_t* counter, int32_t v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" :: "l"(counter), "r"(v) : "memory");
+}
+__device__ __forceinline__ int32_t ld_acquire(const int32_t* counter) {
+  int32_t v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(counter) : "memory");
+  return v;
+}
+// Spins (one thread) until *counter >= target.
+__device__ __forceinline__ void wait_at_least(const int32_t* counter, int32_t target) {
+  int ns = 32;
+  while (ld_acquire(counter) < target) {
+    __nanosleep(ns);
+    ns = min(2 * ns, 512);
+  }
+}
+
+// Calls f(slot, acc index of row r0, acc index of row r0 + 8) for each of this thread's columns
+// that holds a slot of the item: acc[4i + 2h + c] = (row r0 + 8h, column 8i + 2t + c).
+template <int kBlockN, class F>
+__device__ __forceinline__ void for_each_valid_column(const WorkItem& w, int t, F&& f) {
+#pragma unroll
+  for (int i = 0; i < kBlockN / 8; ++i) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const int slot = w.slot_begin + 8 * i + 2 * t + c;
+      if (slot < w.slot_end) f(slot, 4 * i + c, 4 * i + 2 + c);
+    }
+  }
+}
+
+// Epilogue of one warpgroup's (64, BLOCK_N) tile m_tile, r0 = 16 * warp + g.
 template <bool kIsL1, int kBlockN>
 __device__ __forceinline__ void store_tile(const W4a16GemmParams& p, const float (&acc)[kBlockN / 2],
                                            const WorkItem& w, int m_tile, int warp, int g, int t) {
@@ -199,43 +238,29 @@ __device__ __forceinline__ void store_tile(const W4a16GemmParams& p, const float
     // same rounding as unscaling the accumulator first.
     const float s2_gate = p.s2_a[e] * kAccumulatorUnscale, s2_up = p.s2_b[e] * kAccumulatorUnscale;
     const int64_t col_j = w13_intermediate_column(m_tile, warp * 16 + g);
-#pragma unroll
-    for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int slot = w.slot_begin + 8 * i + 2 * t + c;
-        if (slot < w.slot_end) {
-          float gate = acc[4 * i + c] * s2_gate;
-          float up = acc[4 * i + 2 + c] * s2_up;
-          gate = fminf(gate, p.swiglu_limit);
-          up = fminf(fmaxf(up, -p.swiglu_limit), p.swiglu_limit);
-          p.act[static_cast<int64_t>(slot) * p.act_ld + col_j] = __float2bfloat16_rn(silu(gate) * up);
-        }
-      }
-    }
+    for_each_valid_column<kBlockN>(w, t, [&](int slot, int j_gate, int j_up) {
+      float gate = acc[j_gate] * s2_gate;
+      float up = acc[j_up] * s2_up;
+      gate = fminf(gate, p.swiglu_limit);
+      up = fminf(fmaxf(up, -p.swiglu_limit), p.swiglu_limit);
+      p.act[static_cast<int64_t>(slot) * p.act_ld + col_j] = __float2bfloat16_rn(silu(gate) * up);
+    });
   } else {
     const float s2 = p.s2_a[e] * kAccumulatorUnscale;  // exact, see the L1 branch
     const int64_t row0 = static_cast<int64_t>(m_tile) * kTileM + warp * 16 + g;
-#pragma unroll
-    for (int i = 0; i < kBlockN / 8; ++i) {
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int slot = w.slot_begin + 8 * i + 2 * t + c;
-        if (slot < w.slot_end) {
-          if (p.y_slot != nullptr) {
-            float* y = p.y_slot + static_cast<int64_t>(slot) * p.out_ld + row0;
-            y[0] = acc[4 * i + c] * s2;
-            y[8] = acc[4 * i + 2 + c] * s2;
-          } else {
-            // Same order as the semantics: y = acc * s2, then times the routing weight.
-            const float wt = p.slot_weight[slot];
-            float* o = p.out_acc + static_cast<int64_t>(p.slot_token[slot]) * p.out_ld + row0;
-            atomicAdd(o, (acc[4 * i + c] * s2) * wt);
-            atomicAdd(o + 8, (acc[4 * i + 2 + c] * s2) * wt);
-          }
-        }
+    for_each_valid_column<kBlockN>(w, t, [&](int slot, int j0, int j1) {
+      if (p.y_slot != nullptr) {
+        float* y = p.y_slot + static_cast<int64_t>(slot) * p.out_ld + row0;
+        y[0] = acc[j0] * s2;
+        y[8] = acc[j1] * s2;
+      } else {
+        // Same order as the semantics: y = acc * s2, then times the routing weight.
+        const float wt = p.slot_weight[slot];
+        float* o = p.out_acc + static_cast<int64_t>(p.slot_token[slot]) * p.out_ld + row0;
+        atomicAdd(o, (acc[j0] * s2) * wt);
+        atomicAdd(o + 8, (acc[j1] * s2) * wt);
       }
-    }
+    });
   }
 }
 
@@ -256,22 +281,27 @@ struct W4a16SmemLayout {
                 "BLOCK_N must be a multiple of 8 so each B stage is whole 1024-byte swizzle atoms");
 };
 
-template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, int kMinBlocksPerSm>
-__global__ void __launch_bounds__(kWarpgroups * w4a16::kThreadsPerWarpgroup, kMinBlocksPerSm)
-w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
+namespace detail {
+
+// Aligns the dynamic shared memory to 1024 B (the 128-byte swizzle atom) by offsetting the array
+// itself, so the compiler still knows the pointer is shared memory and emits LDS rather than
+// generic loads.
+__device__ __forceinline__ uint8_t* aligned_dynamic_smem() {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t smem_misalign = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023u;
+  return smem_raw + ((1024u - smem_misalign) & 1023u);
+}
+
+// Runs one work item with the whole CTA: mainloop over its K slice and the epilogue. The
+// caller's barrier after it hands the shared-memory stages to the next item.
+template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages>
+__device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkItem& w, uint8_t* smem) {
   using namespace w4a16;
   using Smem = W4a16SmemLayout<kWarpgroups, kBlockN, kStages>;
   static_assert(kStages >= 2, "the cp.async pipeline needs at least 2 stages");
   static_assert(!kIsL1 || kBlockN % 8 == 0, "");
   constexpr int kThreads = kWarpgroups * kThreadsPerWarpgroup;
-
-  extern __shared__ uint8_t smem_raw[];
-  // Align to 1024 B (the 128-byte swizzle atom) by offsetting the array itself, so the compiler
-  // still knows the pointer is shared memory and emits LDS rather than generic loads.
-  const uint32_t smem_misalign = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) & 1023u;
-  uint8_t* smem = smem_raw + ((1024u - smem_misalign) & 1023u);
   const uint32_t smem_u32 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-
   const int tid = threadIdx.x;
   // Which 64-row tile of the block, and the thread in its warpgroup. Constant for one warpgroup:
   // ptxas cannot know tid < 128 and would carry wg's multiples through every copy address.
@@ -279,6 +309,205 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
   const int wtid = kWarpgroups == 1 ? tid : tid % kThreadsPerWarpgroup;
   const int warp = wtid / 32, lane = wtid % 32;
   const int g = lane / 4, t = lane % 4;
+  // The tile's token width for this work item: the narrowest allowed width that holds its
+  // slots. An expert's last tile is usually partly empty (uniform routing puts 128 +- 11 tokens
+  // on an expert at DeepSeek-V3 T=4096); wgmma time is linear in N, so a narrower wgmma on
+  // that tile saves tensor time without changing the schedule, the shared-memory stages or
+  // the arithmetic of any valid column.
+  with_token_width<kBlockN>(w.slot_end - w.slot_begin, [&](auto width) {
+    constexpr int kWidth = decltype(width)::value;
+    using Op = typename detail::WgmmaRS<kWidth>::Op;
+    constexpr int kAcc = kWidth / 2;  // fp32 accumulators per thread: (64, width) / 128
+    // Chunks per pipeline group (see the pipeline below).
+    // Tiles up to N = 64 pair chunks: the A fragments of two chunks (32 registers) fit next to
+    // their accumulators, while the 128-token tile needs those registers for its 64
+    // accumulators. (Four chunks per group at N = 16 measured 3-8% slower: 123-140 registers
+    // cost a CTA per SM.)
+    constexpr int kGroup = kBlockN <= 64 ? 2 : 1;
+    static_assert(kGroup <= 2, "the tail handles at most one leftover chunk");
+    static_assert(kStages >= 2 * kGroup && kStages % kGroup == 0,
+                  "need kStages >= 2 * kGroup (a group computing, a group landing), a multiple of kGroup");
+    const int e = w.expert, m_block = w.m_block;
+    const int slot_begin = w.slot_begin, slot_end = w.slot_end;
+    const int m_tile = m_block * kWarpgroups + wg;
+
+    // Per-thread copy streams. The K loop below is unrolled over the kStages stages, so every
+    // stage index is a compile-time constant: shared-memory addresses and the global offsets of
+    // chunks within a round of kStages are immediates, and the only per-round arithmetic is one
+    // pointer advance per stream (the integer pipes bound this loop; recomputing addresses per
+    // chunk cost ~35 instructions per chunk).
+    //   A: each thread copies its own 16 code bytes of the (64, 64) tile; 16 threads per
+    //      warpgroup copy the tile's 256 scale bytes.
+    //   B: (width rows, 8 x 16 bytes) pieces, a fixed set per thread; piece c of row r lands at
+    //      c ^ (r % 8) (128-byte swizzle). Rows past the expert's slots are zero-filled (src-size 0).
+    constexpr int kPieces = kWidth * 8 / kThreads;
+    static_assert(kWidth * 8 % kThreads == 0, "every token width * 8 must be a multiple of the thread count");
+    const int k_begin = w.k_split * p.k_chunks_per_split;
+    const int n = min(p.k_chunks_per_split, p.k_chunks - k_begin);  // chunks of this work item
+    const int64_t a_tile0 = static_cast<int64_t>(m_block * kWarpgroups + wg) * p.k_chunks + k_begin;
+    // Weight sources of the next group of chunks to copy (advanced by one group per group of
+    // copies). The code pointer sits half a group past the group's first chunk so the chunks'
+    // offsets, -1 KiB and +1 KiB, fit the LDGSTS immediate; two chunks further (4 KiB) made
+    // ptxas add a 64-bit offset per copy.
+    constexpr int kCodeBias = (kGroup - 1) * kCodeBytesPerTile / 2;
+    const uint8_t* code_src = p.codes + e * p.code_expert_stride + a_tile0 * kCodeBytesPerTile + wtid * 16 + kCodeBias;
+    const uint8_t* scale_src = p.scales + e * p.scale_expert_stride + a_tile0 * kScaleBytesPerTile + wtid * 16;
+    const bool copies_scales = wtid < kScaleBytesPerTile / 16;
+    const char* b_src[kPieces];
+    uint32_t b_dst[kPieces];
+    bool b_valid[kPieces];
+    #pragma unroll
+    for (int j = 0; j < kPieces; ++j) {
+      const int i = tid + j * kThreads;
+      const int r = i / 8, c = i % 8;
+      const int slot = slot_begin + r;
+      b_valid[j] = slot < slot_end;
+      const int64_t src_row = !b_valid[j] ? 0 : (kIsL1 ? p.slot_token[slot] : slot);
+      b_src[j] = reinterpret_cast<const char*>(p.b_src + src_row * p.b_ld + k_begin * kChunkK + c * 8);
+      b_dst[j] = smem_u32 + Smem::kBOffset + r * 128 + ((c ^ (r & 7)) * 16);
+    }
+    const uint32_t code_dst = smem_u32 + Smem::kCodeOffset + wg * kCodeBytesPerTile + wtid * 16;
+    const uint32_t scale_dst = smem_u32 + Smem::kScaleOffset + wg * kScaleBytesPerTile + wtid * 16;
+    // Shared-memory reads of the consumers (stage 0; stage s adds a constant).
+    const uint8_t* code_lds = smem + Smem::kCodeOffset + wg * kCodeBytesPerTile + wtid * 16;
+    const uint8_t* scale_lds = smem + Smem::kScaleOffset + wg * kScaleBytesPerTile + (warp * 8 + g) * 8;
+    const uint64_t b_desc0 = detail::make_sw128_desc(smem + Smem::kBOffset);  // stage 0
+
+    // Copies chunk (round base + kOffset) into stage kOffset % kStages; kOffset < 2 * kStages.
+    // Its weights are chunk kOffset % kGroup of the group the weight pointers stand at.
+    auto load = [&](auto offset) {
+      constexpr int kOffset = decltype(offset)::value;
+      constexpr int kStage = kOffset % kStages;
+      constexpr int kInGroup = kOffset % kGroup;
+      detail::cp_async_16(code_dst + kStage * Smem::kCodeStageBytes,
+                          code_src + kInGroup * kCodeBytesPerTile - kCodeBias, true);
+      if (copies_scales) {
+        detail::cp_async_16(scale_dst + kStage * Smem::kScaleStageBytes, scale_src + kInGroup * kScaleBytesPerTile, true);
+      }
+      #pragma unroll
+      for (int j = 0; j < kPieces; ++j) {
+        detail::cp_async_16(b_dst[j] + kStage * Smem::kBTileBytes, b_src[j] + kOffset * kChunkK * 2, b_valid[j]);
+      }
+    };
+
+    float acc[kAcc];
+    #pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+
+    // Pipeline: chunks are consumed kGroup at a time per barrier (amortising the barrier, the
+    // waits and the wgmma round trip), with kStages - kGroup chunks of copies in flight
+    // ahead of the group being computed. Every group of chunks is one cp.async group (empty
+    // at the end of K), so the number allowed to stay pending is a constant.
+    detail::static_for<kStages - kGroup>([&](auto s) {
+      if (static_cast<int>(decltype(s)::value) < n) load(s);
+      if constexpr ((decltype(s)::value + 1) % kGroup == 0) {
+        detail::cp_async_commit();
+        code_src += kGroup * kCodeBytesPerTile;
+        scale_src += kGroup * kScaleBytesPerTile;
+      }
+    });
+
+    // Decodes kChunks consecutive chunks from stages kFirstStage.. (all landed), then issues
+    // their wgmmas and waits once: one wgmma round trip per group instead of per chunk. No
+    // control flow between the wgmmas and no A producer overlapping an in-flight group, either
+    // of which makes ptxas serialise or inject warpgroup arrives (C7513/C7519).
+    auto compute_chunks = [&](auto chunk_count, auto first_stage) {
+      constexpr int kChunks = decltype(chunk_count)::value;
+      constexpr int kFirstStage = decltype(first_stage)::value;
+      uint32_t a[kChunks][kStepsPerChunk][4];
+      #pragma unroll
+      for (int j = 0; j < kChunks; ++j) {
+        const uint4 q = *reinterpret_cast<const uint4*>(code_lds + (kFirstStage + j) * Smem::kCodeStageBytes);
+        const uint2 sc = *reinterpret_cast<const uint2*>(scale_lds + (kFirstStage + j) * Smem::kScaleStageBytes);
+        const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+        const uint32_t scale_words[2] = {sc.x, sc.y};  // steps (0, 1) and (2, 3)
+        detail::static_for<kStepsPerChunk>([&](auto step) {
+          constexpr int s = decltype(step)::value;
+          // Scales (row r0, row r0 + 8) of k-block s of this chunk: scale word s / 2.
+          decode_step<s % 2>(words[s], scale_words[s / 2], a[j][s]);
+        });
+      }
+      detail::wgmma_fence();
+      #pragma unroll
+      for (int j = 0; j < kChunks; ++j) {
+        // The descriptor's address field counts 16-byte units: a stage offset is a constant add.
+        const uint64_t desc = b_desc0 + static_cast<uint64_t>((kFirstStage + j) * Smem::kBTileBytes / 16);
+        #pragma unroll
+        for (int s = 0; s < kStepsPerChunk; ++s) {
+          // k16 step s starts 32 bytes further along the swizzled 128-byte rows.
+          detail::wgmma_rs<Op>(a[j][s], desc + static_cast<uint64_t>(s * 2), acc,
+                               std::make_index_sequence<kAcc>{});
+        }
+      }
+      detail::wgmma_commit();
+      detail::wgmma_wait_all();
+      // wgmma reads its A registers asynchronously: keep them alive until it has completed.
+      #pragma unroll
+      for (int j = 0; j < kChunks; ++j)
+        #pragma unroll
+        for (int s = 0; s < kStepsPerChunk; ++s)
+          #pragma unroll
+          for (int i = 0; i < 4; ++i) detail::keep_in_register(a[j][s][i]);
+      #pragma unroll
+      for (int i = 0; i < kAcc; ++i) detail::keep_in_register(acc[i]);
+    };
+
+    // Rounds of kStages chunks; group q of a round computes stages [q * kGroup, (q + 1) * kGroup).
+    for (int base = 0; base < n; base += kStages) {
+      bool done = false;
+      detail::static_for<kStages / kGroup>([&](auto q) {
+        constexpr int kFirst = decltype(q)::value * kGroup;
+        const int c = base + kFirst;  // first chunk of this group
+        if (done || c >= n) {
+          done = true;
+          return;
+        }
+        if (kGroup == 2 && c + 1 == n) {  // an odd chunk count: the last chunk is in flight
+          detail::cp_async_wait<0>();
+          __syncthreads();
+          compute_chunks(std::integral_constant<int, 1>{}, std::integral_constant<int, kFirst>{});
+          done = true;
+          return;
+        }
+        detail::cp_async_wait<(kStages - 2 * kGroup) / kGroup>();
+        // Completion of this thread's copies + the barrier publish the group to every thread and
+        // to wgmma. No proxy fence: it lowers to MEMBAR.ALL.CTA, which waits for every cp.async
+        // in flight and collapses the pipeline; CUTLASS's cp.async GMMA mainloops likewise hand
+        // cp.async stages to wgmma through a barrier alone.
+        __syncthreads();  // this group visible to all; everyone is done with the previous group
+        // The group's refills: chunks base + kFirst + kStages - kGroup .. + kStages - 1. One
+        // range test for the whole group away from the end of K (a test and a branch per chunk,
+        // each branch target starting a new block that ptxas pads before its first LDGSTS, cost
+        // ~8 issue slots per chunk in a loop that is issue-bound at the narrow tiles).
+        constexpr int kRefill = kFirst + kStages - kGroup;  // < 2 * kStages
+        if (base + kRefill + kGroup <= n) {
+          detail::static_for<kGroup>([&](auto j) { load(std::integral_constant<int, kRefill + decltype(j)::value>{}); });
+        } else {
+          detail::static_for<kGroup>([&](auto j) {
+            if (base + kRefill + decltype(j)::value < n) load(std::integral_constant<int, kRefill + decltype(j)::value>{});
+          });
+        }
+        detail::cp_async_commit();
+        code_src += kGroup * kCodeBytesPerTile;
+        scale_src += kGroup * kScaleBytesPerTile;
+        compute_chunks(std::integral_constant<int, kGroup>{}, std::integral_constant<int, kFirst>{});
+      });
+      #pragma unroll
+      for (int j = 0; j < kPieces; ++j) b_src[j] += kStages * kChunkK * 2;
+    }
+    detail::cp_async_wait<0>();
+
+    detail::store_tile<kIsL1, kWidth>(p, acc, w, m_tile, warp, g, t);
+  });
+}
+
+}  // namespace detail
+
+template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, int kMinBlocksPerSm>
+__global__ void __launch_bounds__(kWarpgroups * w4a16::kThreadsPerWarpgroup, kMinBlocksPerSm)
+w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
+  uint8_t* smem = detail::aligned_dynamic_smem();
+  const int tid = threadIdx.x;
   allow_dependent_launch();
   grid_dependency_wait();  // the dispatch (L1) or L1 (L2) results are complete from here on
   if constexpr (kIsL1) {
@@ -292,201 +521,68 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     int next_work = 0;
     if (tid == 0) next_work = static_cast<int>(gridDim.x) + atomicAdd(p.work_counter, 1);
     const detail::WorkItem w = detail::decode_work<kBlockN>(p, work);
-    // The tile's token width for this work item: the narrowest allowed width that holds its
-    // slots. An expert's last tile is usually partly empty (uniform routing puts 128 +- 11 tokens
-    // on an expert at DeepSeek-V3 T=4096); wgmma time is linear in N, so a narrower wgmma on
-    // that tile saves tensor time without changing the schedule, the shared-memory stages or
-    // the arithmetic of any valid column.
-    detail::with_token_width<kBlockN>(w.slot_end - w.slot_begin, [&](auto width) {
-      constexpr int kWidth = decltype(width)::value;
-      using Op = typename detail::WgmmaRS<kWidth>::Op;
-      constexpr int kAcc = kWidth / 2;  // fp32 accumulators per thread: (64, width) / 128
-      // Chunks per pipeline group (see the pipeline below).
-      // Tiles up to N = 64 pair chunks: the A fragments of two chunks (32 registers) fit next to
-      // their accumulators, while the 128-token tile needs those registers for its 64
-      // accumulators. (Four chunks per group at N = 16 measured 3-8% slower: 123-140 registers
-      // cost a CTA per SM.)
-      constexpr int kGroup = kBlockN <= 64 ? 2 : 1;
-      static_assert(kGroup <= 2, "the tail handles at most one leftover chunk");
-      static_assert(kStages >= 2 * kGroup && kStages % kGroup == 0,
-                    "need kStages >= 2 * kGroup (a group computing, a group landing), a multiple of kGroup");
-      const int e = w.expert, m_block = w.m_block;
-      const int slot_begin = w.slot_begin, slot_end = w.slot_end;
-      const int m_tile = m_block * kWarpgroups + wg;
-
-      // Per-thread copy streams. The K loop below is unrolled over the kStages stages, so every
-      // stage index is a compile-time constant: shared-memory addresses and the global offsets of
-      // chunks within a round of kStages are immediates, and the only per-round arithmetic is one
-      // pointer advance per stream (the integer pipes bound this loop; recomputing addresses per
-      // chunk cost ~35 instructions per chunk).
-      //   A: each thread copies its own 16 code bytes of the (64, 64) tile; 16 threads per
-      //      warpgroup copy the tile's 256 scale bytes.
-      //   B: (width rows, 8 x 16 bytes) pieces, a fixed set per thread; piece c of row r lands at
-      //      c ^ (r % 8) (128-byte swizzle). Rows past the expert's slots are zero-filled (src-size 0).
-      constexpr int kPieces = kWidth * 8 / kThreads;
-      static_assert(kWidth * 8 % kThreads == 0, "every token width * 8 must be a multiple of the thread count");
-      const int k_begin = w.k_split * p.k_chunks_per_split;
-      const int n = min(p.k_chunks_per_split, p.k_chunks - k_begin);  // chunks of this work item
-      const int64_t a_tile0 = static_cast<int64_t>(m_block * kWarpgroups + wg) * p.k_chunks + k_begin;
-      // Weight sources of the next group of chunks to copy (advanced by one group per group of
-      // copies). The code pointer sits half a group past the group's first chunk so the chunks'
-      // offsets, -1 KiB and +1 KiB, fit the LDGSTS immediate; two chunks further (4 KiB) made
-      // ptxas add a 64-bit offset per copy.
-      constexpr int kCodeBias = (kGroup - 1) * kCodeBytesPerTile / 2;
-      const uint8_t* code_src = p.codes + e * p.code_expert_stride + a_tile0 * kCodeBytesPerTile + wtid * 16 + kCodeBias;
-      const uint8_t* scale_src = p.scales + e * p.scale_expert_stride + a_tile0 * kScaleBytesPerTile + wtid * 16;
-      const bool copies_scales = wtid < kScaleBytesPerTile / 16;
-      const char* b_src[kPieces];
-      uint32_t b_dst[kPieces];
-      bool b_valid[kPieces];
-      #pragma unroll
-      for (int j = 0; j < kPieces; ++j) {
-        const int i = tid + j * kThreads;
-        const int r = i / 8, c = i % 8;
-        const int slot = slot_begin + r;
-        b_valid[j] = slot < slot_end;
-        const int64_t src_row = !b_valid[j] ? 0 : (kIsL1 ? p.slot_token[slot] : slot);
-        b_src[j] = reinterpret_cast<const char*>(p.b_src + src_row * p.b_ld + k_begin * kChunkK + c * 8);
-        b_dst[j] = smem_u32 + Smem::kBOffset + r * 128 + ((c ^ (r & 7)) * 16);
-      }
-      const uint32_t code_dst = smem_u32 + Smem::kCodeOffset + wg * kCodeBytesPerTile + wtid * 16;
-      const uint32_t scale_dst = smem_u32 + Smem::kScaleOffset + wg * kScaleBytesPerTile + wtid * 16;
-      // Shared-memory reads of the consumers (stage 0; stage s adds a constant).
-      const uint8_t* code_lds = smem + Smem::kCodeOffset + wg * kCodeBytesPerTile + wtid * 16;
-      const uint8_t* scale_lds = smem + Smem::kScaleOffset + wg * kScaleBytesPerTile + (warp * 8 + g) * 8;
-      const uint64_t b_desc0 = detail::make_sw128_desc(smem + Smem::kBOffset);  // stage 0
-
-      // Copies chunk (round base + kOffset) into stage kOffset % kStages; kOffset < 2 * kStages.
-      // Its weights are chunk kOffset % kGroup of the group the weight pointers stand at.
-      auto load = [&](auto offset) {
-        constexpr int kOffset = decltype(offset)::value;
-        constexpr int kStage = kOffset % kStages;
-        constexpr int kInGroup = kOffset % kGroup;
-        detail::cp_async_16(code_dst + kStage * Smem::kCodeStageBytes,
-                            code_src + kInGroup * kCodeBytesPerTile - kCodeBias, true);
-        if (copies_scales) {
-          detail::cp_async_16(scale_dst + kStage * Smem::kScaleStageBytes, scale_src + kInGroup * kScaleBytesPerTile, true);
-        }
-        #pragma unroll
-        for (int j = 0; j < kPieces; ++j) {
-          detail::cp_async_16(b_dst[j] + kStage * Smem::kBTileBytes, b_src[j] + kOffset * kChunkK * 2, b_valid[j]);
-        }
-      };
-
-      float acc[kAcc];
-      #pragma unroll
-      for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
-
-      // Pipeline: chunks are consumed kGroup at a time per barrier (amortising the barrier, the
-      // waits and the wgmma round trip), with kStages - kGroup chunks of copies in flight
-      // ahead of the group being computed. Every group of chunks is one cp.async group (empty
-      // at the end of K), so the number allowed to stay pending is a constant.
-      detail::static_for<kStages - kGroup>([&](auto s) {
-        if (static_cast<int>(decltype(s)::value) < n) load(s);
-        if constexpr ((decltype(s)::value + 1) % kGroup == 0) {
-          detail::cp_async_commit();
-          code_src += kGroup * kCodeBytesPerTile;
-          scale_src += kGroup * kScaleBytesPerTile;
-        }
-      });
-
-      // Decodes kChunks consecutive chunks from stages kFirstStage.. (all landed), then issues
-      // their wgmmas and waits once: one wgmma round trip per group instead of per chunk. No
-      // control flow between the wgmmas and no A producer overlapping an in-flight group, either
-      // of which makes ptxas serialise or inject warpgroup arrives (C7513/C7519).
-      auto compute_chunks = [&](auto chunk_count, auto first_stage) {
-        constexpr int kChunks = decltype(chunk_count)::value;
-        constexpr int kFirstStage = decltype(first_stage)::value;
-        uint32_t a[kChunks][kStepsPerChunk][4];
-        #pragma unroll
-        for (int j = 0; j < kChunks; ++j) {
-          const uint4 q = *reinterpret_cast<const uint4*>(code_lds + (kFirstStage + j) * Smem::kCodeStageBytes);
-          const uint2 sc = *reinterpret_cast<const uint2*>(scale_lds + (kFirstStage + j) * Smem::kScaleStageBytes);
-          const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-          const uint32_t scale_words[2] = {sc.x, sc.y};  // steps (0, 1) and (2, 3)
-          detail::static_for<kStepsPerChunk>([&](auto step) {
-            constexpr int s = decltype(step)::value;
-            // Scales (row r0, row r0 + 8) of k-block s of this chunk: scale word s / 2.
-            decode_step<s % 2>(words[s], scale_words[s / 2], a[j][s]);
-          });
-        }
-        detail::wgmma_fence();
-        #pragma unroll
-        for (int j = 0; j < kChunks; ++j) {
-          // The descriptor's address field counts 16-byte units: a stage offset is a constant add.
-          const uint64_t desc = b_desc0 + static_cast<uint64_t>((kFirstStage + j) * Smem::kBTileBytes / 16);
-          #pragma unroll
-          for (int s = 0; s < kStepsPerChunk; ++s) {
-            // k16 step s starts 32 bytes further along the swizzled 128-byte rows.
-            detail::wgmma_rs<Op>(a[j][s], desc + static_cast<uint64_t>(s * 2), acc,
-                                 std::make_index_sequence<kAcc>{});
-          }
-        }
-        detail::wgmma_commit();
-        detail::wgmma_wait_all();
-        // wgmma reads its A registers asynchronously: keep them alive until it has completed.
-        #pragma unroll
-        for (int j = 0; j < kChunks; ++j)
-          #pragma unroll
-          for (int s = 0; s < kStepsPerChunk; ++s)
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) detail::keep_in_register(a[j][s][i]);
-        #pragma unroll
-        for (int i = 0; i < kAcc; ++i) detail::keep_in_register(acc[i]);
-      };
-
-      // Rounds of kStages chunks; group q of a round computes stages [q * kGroup, (q + 1) * kGroup).
-      for (int base = 0; base < n; base += kStages) {
-        bool done = false;
-        detail::static_for<kStages / kGroup>([&](auto q) {
-          constexpr int kFirst = decltype(q)::value * kGroup;
-          const int c = base + kFirst;  // first chunk of this group
-          if (done || c >= n) {
-            done = true;
-            return;
-          }
-          if (kGroup == 2 && c + 1 == n) {  // an odd chunk count: the last chunk is in flight
-            detail::cp_async_wait<0>();
-            __syncthreads();
-            compute_chunks(std::integral_constant<int, 1>{}, std::integral_constant<int, kFirst>{});
-            done = true;
-            return;
-          }
-          detail::cp_async_wait<(kStages - 2 * kGroup) / kGroup>();
-          // Completion of this thread's copies + the barrier publish the group to every thread and
-          // to wgmma. No proxy fence: it lowers to MEMBAR.ALL.CTA, which waits for every cp.async
-          // in flight and collapses the pipeline; CUTLASS's cp.async GMMA mainloops likewise hand
-          // cp.async stages to wgmma through a barrier alone.
-          __syncthreads();  // this group visible to all; everyone is done with the previous group
-          // The group's refills: chunks base + kFirst + kStages - kGroup .. + kStages - 1. One
-          // range test for the whole group away from the end of K (a test and a branch per chunk,
-          // each branch target starting a new block that ptxas pads before its first LDGSTS, cost
-          // ~8 issue slots per chunk in a loop that is issue-bound at the narrow tiles).
-          constexpr int kRefill = kFirst + kStages - kGroup;  // < 2 * kStages
-          if (base + kRefill + kGroup <= n) {
-            detail::static_for<kGroup>([&](auto j) { load(std::integral_constant<int, kRefill + decltype(j)::value>{}); });
-          } else {
-            detail::static_for<kGroup>([&](auto j) {
-              if (base + kRefill + decltype(j)::value < n) load(std::integral_constant<int, kRefill + decltype(j)::value>{});
-            });
-          }
-          detail::cp_async_commit();
-          code_src += kGroup * kCodeBytesPerTile;
-          scale_src += kGroup * kScaleBytesPerTile;
-          compute_chunks(std::integral_constant<int, kGroup>{}, std::integral_constant<int, kFirst>{});
-        });
-        #pragma unroll
-        for (int j = 0; j < kPieces; ++j) b_src[j] += kStages * kChunkK * 2;
-      }
-      detail::cp_async_wait<0>();
-
-      detail::store_tile<kIsL1, kWidth>(p, acc, w, m_tile, warp, g, t);
-    });
+    detail::gemm_item<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem);
     // This barrier also hands the stages to the next item: every thread has finished this item's
     // wgmmas and copies. Every thread read the previous next_work_shared before this item's
     // first mainloop barrier (every item has at least one chunk).
     if (tid == 0) next_work_shared = next_work;
     __syncthreads();
+    work = next_work_shared;
+  }
+}
+
+// Parameters of the fused L1 + L2 launch.
+struct W4a16FusedParams {
+  W4a16GemmParams l1, l2;     // l1.work_counter hands out the items of both; L1 never splits K
+  int32_t* l1_tiles_done;     // (E') L1 items completed per expert, zeroed by the dispatch kernel
+  int32_t* ctas_zeroed;       // (1) CTAs done zeroing l1.zero_first, zeroed by the dispatch kernel
+};
+
+// L1's work items, then L2's, from one counter. An L2 item of expert e waits until all of e's L1
+// tiles are complete (and the combine accumulator is zeroed). No deadlock: items are claimed in
+// index order by running CTAs (the first gridDim.x by blockIdx, and the grid never exceeds what
+// is resident at once), an L2 item only waits on items of smaller index, and L1 items wait on
+// nothing.
+template <int kWarpgroups, int kBlockN, int kStages, int kMinBlocksPerSm>
+__global__ void __launch_bounds__(kWarpgroups * w4a16::kThreadsPerWarpgroup, kMinBlocksPerSm)
+w4a16_fused_moe_kernel(const W4a16FusedParams p) {
+  uint8_t* smem = detail::aligned_dynamic_smem();
+  const int tid = threadIdx.x;
+  allow_dependent_launch();
+  grid_dependency_wait();  // the dispatch results are complete from here on
+  const bool zeroes = p.l1.zero_first != nullptr;
+  if (zeroes) {
+    detail::zero_grid_stride(p.l1.zero_first, p.l1.zero_count);
+    __syncthreads();
+    if (tid == 0) detail::red_release_add(p.ctas_zeroed, 1);
+  }
+  const int l1_work = p.l1.tile_offsets[p.l1.num_experts];
+  const int total_work = l1_work + p.l2.tile_offsets[p.l2.num_experts];
+  __shared__ int next_work_shared;
+
+  for (int work = blockIdx.x; work < total_work;) {
+    int next_work = 0;
+    if (tid == 0) next_work = static_cast<int>(gridDim.x) + atomicAdd(p.l1.work_counter, 1);
+    const bool is_l1 = work < l1_work;
+    int expert;
+    if (is_l1) {
+      const detail::WorkItem w = detail::decode_work<kBlockN>(p.l1, work);
+      expert = w.expert;
+      detail::gemm_item<true, kWarpgroups, kBlockN, kStages>(p.l1, w, smem);
+    } else {
+      const detail::WorkItem w = detail::decode_work<kBlockN>(p.l2, work - l1_work);
+      expert = w.expert;
+      if (tid == 0) {
+        const int e = w.expert;
+        detail::wait_at_least(p.l1_tiles_done + e, p.l1.tile_offsets[e + 1] - p.l1.tile_offsets[e]);
+        if (zeroes) detail::wait_at_least(p.ctas_zeroed, static_cast<int32_t>(gridDim.x));
+      }
+      __syncthreads();
+      detail::gemm_item<false, kWarpgroups, kBlockN, kStages>(p.l2, w, smem);
+    }
+    if (tid == 0) next_work_shared = next_work;
+    __syncthreads();  // also orders the item's act stores before the release
+    if (is_l1 && tid == 0) detail::red_release_add(p.l1_tiles_done + expert, 1);
     work = next_work_shared;
   }
 }
