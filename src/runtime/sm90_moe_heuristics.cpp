@@ -77,7 +77,7 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   // L2 items can fill (they start as soon as their expert's L1 items are done). Measured on
   // H200 against two launches (docs/perf/2026-11-21-h200-w4a16-v6.md), in waves of L1 items
   // over the 16-token tile's CTA slots: DeepSeek-V3 T=2 (1.4 waves) 158 -> 144 us, T=4 (2.6)
-  // 236 -> 228, Qwen3-30B T=4 (0.9) 46.8 -> 45.4, T=16 (2.5) 93.0 -> 87.7, T=64 (3.9) 124.3 ->
+  // 236 -> 228, Qwen3-30B T=4 (0.9) 46.9 -> 45.4, T=16 (2.5) 93.0 -> 87.7, T=64 (3.9) 124.4 ->
   // 121.6; but Qwen3 T=2 (0.5 waves: no tail to fill) 31.6 -> 33.3, DeepSeek-V3 T=16 (8 waves)
   // 688 -> 696 and T=64 1447 -> 1474.
   if (same_tile(cfg.l1, decode) && same_tile(cfg.l2, decode) && num_sms > 0) {
