@@ -51,7 +51,11 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
 // Overrides of the heuristic, for tuning and tests; unset fields keep the heuristic's choice.
 // MoePlan::config() rejects an override the kernels cannot run, saying what is allowed.
 struct MoeTuning {
-  std::optional<bool> fused;  // the fused L1 + L2 launch (needs the 16-token tile in both GEMMs)
+  // The fused L1 + L2 launch (needs the 16-token tile in both GEMMs). Its CTAs wait on each
+  // other, so its grid (sized by the occupancy on every SM of the device) must be resident at
+  // once: where the process gets only part of the SMs (an MPS active-thread limit, a green
+  // context), set it to false.
+  std::optional<bool> fused;
 };
 
 // The stacked NVFP4 expert layout inference engines keep on the GPU (DESIGN.md §2): DEVICE

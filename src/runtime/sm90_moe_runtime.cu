@@ -68,13 +68,13 @@ void validate_problem(const MoeProblem& p) {
                 kInvalidArgument, "MoePlan: swiglu_limit must be finite and positive");
 }
 
-// Workspace: every region 256-byte aligned, sized for max_tokens.
 // The int32 counters the dispatch kernel zeroes: [0] L1 work items, [1] L2 work items, [2] CTAs
 // done zeroing (fused launch), then per expert the L1 items done (fused launch).
 inline constexpr int64_t kCtasZeroedCounter = 2;
 inline constexpr int64_t kL1DoneCounters = 3;
 int64_t counter_count(const MoeProblem& p) { return kL1DoneCounters + virtual_experts(p); }
 
+// Workspace: every region 256-byte aligned, sized for max_tokens.
 struct WorkspaceLayout {
   size_t expert_offsets, l1_tiles, l2_tiles, invalid, counters, slot_token, slot_weight, token_slot, act,
       out_acc, y_slot, total;
@@ -372,7 +372,7 @@ void launch_fused(const MoeConfig& c, const k90::W4a16FusedParams& params, int n
   auto* kernel = &k90::w4a16_fused_moe_kernel<1, 16, 8, 6>;
   static const int blocks_per_sm = prepare_kernel(kernel, 128, Smem::kAllocBytes);
   // Every CTA must be resident at once (L2 items wait for L1 items held by other CTAs): the grid
-  // never exceeds the occupancy.
+  // never exceeds the occupancy of all the device's SMs (see MoeTuning::fused for the limits).
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(int64_t{num_sms} * blocks_per_sm, max_work));
   launch_dependent(kernel, static_cast<unsigned>(grid), 128, Smem::kAllocBytes, stream, params);
 }
