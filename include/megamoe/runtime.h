@@ -35,13 +35,15 @@ struct GemmConfig {
   int k_splits = 1;    // K slices per output tile, added atomically (L2 atomic combine only)
   std::string to_string() const;
 };
-// Whether two configurations run the same kernel tile (warpgroups, BLOCK_N, stages).
-bool same_tile(const GemmConfig& a, const GemmConfig& b);
+// The 16-token decode tile: the only tile the fused L1 + L2 launch is built for.
+inline constexpr GemmConfig kFusedTile{1, 16, 8};
 struct MoeConfig {
   GemmConfig l1;       // x · W13ᵀ + SwiGLU
   GemmConfig l2;       // a · W2ᵀ + combine
-  bool fused = false;  // L1 and L2 in one persistent launch (16-token decode tile only)
+  bool fused = false;  // L1 and L2 in one persistent launch (needs can_fuse)
   std::string to_string() const;
+  // Whether both GEMMs run kFusedTile (K slices aside), so that they may run fused.
+  bool can_fuse() const;
 };
 
 // The heuristic: a pure function of the problem, the token count and the device's SM count

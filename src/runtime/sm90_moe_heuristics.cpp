@@ -25,8 +25,12 @@ std::string MoeConfig::to_string() const {
   return "L1{" + l1.to_string() + "} L2{" + l2.to_string() + "}" + (fused ? " fused" : "");
 }
 
-bool same_tile(const GemmConfig& a, const GemmConfig& b) {
-  return a.warpgroups == b.warpgroups && a.block_n == b.block_n && a.stages == b.stages;
+bool MoeConfig::can_fuse() const {
+  auto is_fused_tile = [](const GemmConfig& c) {
+    return c.warpgroups == kFusedTile.warpgroups && c.block_n == kFusedTile.block_n &&
+           c.stages == kFusedTile.stages;
+  };
+  return is_fused_tile(l1) && is_fused_tile(l2);
 }
 
 // CTAs per SM of the 16-token decode tile (its kernel's launch bounds, sm90_moe_runtime.cu).
@@ -37,7 +41,7 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   const double per_expert = problem.num_experts > 0
                                 ? static_cast<double>(tokens) * problem.top_k / problem.num_experts
                                 : 0.0;
-  GemmConfig decode{1, 16, 8};
+  GemmConfig decode = kFusedTile;
   // 32-token tile at six stages: eight (6.25 KiB each) fit only 4 CTAs in shared memory, six
   // fit the 5 its registers allow (DeepSeek-V3 T=640: 2649 -> 2361 us; Qwen3 T=384: 181 -> 172).
   GemmConfig decode32{1, 32, 6};
@@ -80,7 +84,7 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   // 236 -> 228, Qwen3-30B T=4 (0.9) 46.9 -> 45.4, T=16 (2.5) 93.0 -> 87.7, T=64 (3.9) 124.4 ->
   // 121.6; but Qwen3 T=2 (0.5 waves: no tail to fill) 31.6 -> 33.3, DeepSeek-V3 T=16 (8 waves)
   // 688 -> 696 and T=64 1447 -> 1474.
-  if (same_tile(cfg.l1, decode) && same_tile(cfg.l2, decode) && num_sms > 0) {
+  if (cfg.can_fuse() && num_sms > 0) {
     const double E = static_cast<double>(problem.num_experts);
     const double chunks = static_cast<double>(problem.shared_intermediate_size / problem.intermediate_size);
     // Expected routed experts with tokens under uniform routing, then the shared slices (every

@@ -255,11 +255,9 @@ MoeConfig MoePlan::config(int64_t tokens) const {
   const MoeProblem& p = problem_;
   MoeConfig cfg = choose_moe_config(p, tokens, num_sms_);
   if (tuning_.fused) {
-    const GemmConfig decode{1, 16, 8};
-    MEGAMOE_CHECK(!*tuning_.fused || (same_tile(cfg.l1, decode) && same_tile(cfg.l2, decode)),
-                  kInvalidArgument, "MoeTuning.fused: the fused launch is built for the 16-token tile (",
-                  decode.to_string(), ") in both GEMMs; at T=", tokens, " the heuristic picks ",
-                  cfg.to_string());
+    MEGAMOE_CHECK(!*tuning_.fused || cfg.can_fuse(), kInvalidArgument,
+                  "MoeTuning.fused: the fused launch is built for the 16-token tile (", kFusedTile.to_string(),
+                  ") in both GEMMs; at T=", tokens, " the heuristic picks ", cfg.to_string());
     cfg.fused = *tuning_.fused;
   }
   return cfg;
@@ -366,15 +364,16 @@ void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params,
 // rejects anything else).
 void launch_fused(const MoeConfig& c, const k90::W4a16FusedParams& params, int num_sms, int64_t max_work,
                   cudaStream_t stream) {
-  MEGAMOE_CHECK(same_tile(c.l1, GemmConfig{1, 16, 8}) && same_tile(c.l2, GemmConfig{1, 16, 8}), kInternal,
-                "no fused kernel instantiated for ", c.to_string());
-  using Smem = k90::W4a16SmemLayout<1, 16, 8>;
-  auto* kernel = &k90::w4a16_fused_moe_kernel<1, 16, 8, 6>;
-  static const int blocks_per_sm = prepare_kernel(kernel, 128, Smem::kAllocBytes);
+  MEGAMOE_CHECK(c.can_fuse(), kInternal, "no fused kernel instantiated for ", c.to_string());
+  constexpr int kWG = kFusedTile.warpgroups, kBN = kFusedTile.block_n, kStages = kFusedTile.stages;
+  using Smem = k90::W4a16SmemLayout<kWG, kBN, kStages>;
+  // Six CTAs per SM, as the two-launch 16-token kernels (launch_gemm_config).
+  auto* kernel = &k90::w4a16_fused_moe_kernel<kWG, kBN, kStages, 6>;
+  static const int blocks_per_sm = prepare_kernel(kernel, kWG * 128, Smem::kAllocBytes);
   // Every CTA must be resident at once (L2 items wait for L1 items held by other CTAs): the grid
   // never exceeds the occupancy of all the device's SMs (see MoeTuning::fused for the limits).
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(int64_t{num_sms} * blocks_per_sm, max_work));
-  launch_dependent(kernel, static_cast<unsigned>(grid), 128, Smem::kAllocBytes, stream, params);
+  launch_dependent(kernel, static_cast<unsigned>(grid), kWG * 128, Smem::kAllocBytes, stream, params);
 }
 
 }  // namespace

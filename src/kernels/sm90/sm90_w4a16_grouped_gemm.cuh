@@ -62,7 +62,8 @@ struct W4a16GemmParams {
   int64_t out_ld;
   float swiglu_limit;  // +inf when there is no clamp
   // L1 only: the atomic-combine accumulator (T, H) fp32 that L2 adds into, zeroed here so the run
-  // needs no separate memset (L2 starts after this grid has completed).
+  // needs no separate memset (L2 starts after this grid has completed; in the fused kernel, L2
+  // items wait until every CTA has zeroed its part).
   float* zero_first;
   int64_t zero_count;  // floats, a multiple of 4
 };
