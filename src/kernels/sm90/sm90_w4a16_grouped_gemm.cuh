@@ -48,8 +48,9 @@ struct W4a16GemmParams {
   const int32_t* expert_offsets;  // (E' + 1)
   const int32_t* tile_offsets;    // (E' + 1)
   // Work items past the first gridDim.x are handed out by this counter (zeroed by the dispatch
-  // kernel): items differ in cost (token widths, ragged K slices), and a static stride left up to
-  // 17% of the SMs' time idle at the end of a prefill GEMM (ncu, DeepSeek-V3 T=4096).
+  // kernel) as CTAs finish their items' mainloops: items differ in cost (token widths, ragged K
+  // slices), and a static stride left up to 17% of the SMs' time idle at the end of a prefill
+  // GEMM (ncu, DeepSeek-V3 T=4096).
   int32_t* work_counter;
   int32_t num_experts;            // E' (virtual)
   const int32_t* slot_token;
@@ -153,6 +154,10 @@ __device__ __forceinline__ void with_token_width(int rows, F&& f) {
   }
 }
 
+// K chunks per pipeline group of a tile of kBlockN tokens (see gemm_item).
+template <int kBlockN>
+inline constexpr int kChunksPerGroup = kBlockN <= 64 ? 2 : 1;
+
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
 
 // Zeroes `count` floats (a multiple of 4) with the whole grid. Kept out of line so its registers
@@ -191,6 +196,36 @@ __device__ __forceinline__ WorkItem decode_work(const W4a16GemmParams& p, int wo
   w.slot_begin = p.expert_offsets[lo] + n_tile * kBlockN;
   w.slot_end = p.expert_offsets[lo + 1];
   return w;
+}
+
+// Claims the next work item past the first gridDim.x (one thread). The schedulers claim when an
+// item's mainloop is done, and the atomic's latency hides behind the epilogue. Claiming when an
+// item started fixed each CTA's next item one item ahead: a CTA on a crowded SM took an item
+// that a CTA finishing earlier could have run, and in the fused launch, where most CTAs run one
+// to three items, the second wave was then as uneven as the block scheduler's placement (L2
+// items waited 1.5-6 us each for their experts' last L1 items at DeepSeek-V3 T=2, H200).
+__device__ __forceinline__ int claim_work(int32_t* counter) {
+  return static_cast<int>(gridDim.x) + atomicAdd(counter, 1);
+}
+
+// Prefetches [ptr, ptr + bytes) into L2 (one thread; bytes a multiple of 16, ptr 16-byte aligned).
+__device__ __forceinline__ void prefetch_l2(const void* ptr, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" :: "l"(ptr), "r"(bytes) : "memory");
+}
+
+// Prefetches the codes and scales of a work item's first kChunks K chunks into L2: both are
+// contiguous along K per 64-row tile (sm90_w4a16_layout.h).
+template <int kWarpgroups, int kChunks>
+__device__ __forceinline__ void prefetch_item_weights(const W4a16GemmParams& p, const WorkItem& w) {
+  using namespace w4a16;
+  const int k_begin = w.k_split * p.k_chunks_per_split;
+  const int n = min(kChunks, min(p.k_chunks_per_split, p.k_chunks - k_begin));
+#pragma unroll
+  for (int wg = 0; wg < kWarpgroups; ++wg) {
+    const int64_t tile0 = static_cast<int64_t>(w.m_block * kWarpgroups + wg) * p.k_chunks + k_begin;
+    prefetch_l2(p.codes + w.expert * p.code_expert_stride + tile0 * kCodeBytesPerTile, n * kCodeBytesPerTile);
+    prefetch_l2(p.scales + w.expert * p.scale_expert_stride + tile0 * kScaleBytesPerTile, n * kScaleBytesPerTile);
+  }
 }
 
 // The fused kernel's L1 -> L2 hand-off through global counters, as CUTLASS's split-K semaphores
@@ -293,10 +328,12 @@ __device__ __forceinline__ uint8_t* aligned_dynamic_smem() {
   return smem_raw + ((1024u - smem_misalign) & 1023u);
 }
 
-// Runs one work item with the whole CTA: mainloop over its K slice and the epilogue. The
-// caller's barrier after it hands the shared-memory stages to the next item.
-template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages>
-__device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkItem& w, uint8_t* smem) {
+// Runs one work item with the whole CTA: mainloop over its K slice, then after_mainloop() (every
+// thread; the schedulers claim their next item there), then the epilogue. The caller's barrier
+// after it hands the shared-memory stages to the next item.
+template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, class AfterMainloop>
+__device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkItem& w, uint8_t* smem,
+                                          AfterMainloop&& after_mainloop) {
   using namespace w4a16;
   using Smem = W4a16SmemLayout<kWarpgroups, kBlockN, kStages>;
   static_assert(kStages >= 2, "the cp.async pipeline needs at least 2 stages");
@@ -324,7 +361,7 @@ __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkIt
     // their accumulators, while the 128-token tile needs those registers for its 64
     // accumulators. (Four chunks per group at N = 16 measured 3-8% slower: 123-140 registers
     // cost a CTA per SM.)
-    constexpr int kGroup = kBlockN <= 64 ? 2 : 1;
+    constexpr int kGroup = kChunksPerGroup<kBlockN>;
     static_assert(kGroup <= 2, "the tail handles at most one leftover chunk");
     static_assert(kStages >= 2 * kGroup && kStages % kGroup == 0,
                   "need kStages >= 2 * kGroup (a group computing, a group landing), a multiple of kGroup");
@@ -498,6 +535,7 @@ __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkIt
     }
     detail::cp_async_wait<0>();
 
+    after_mainloop();
     detail::store_tile<kIsL1, kWidth>(p, acc, w, m_tile, warp, g, t);
   });
 }
@@ -518,11 +556,11 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
   __shared__ int next_work_shared;
 
   for (int work = blockIdx.x; work < total_work;) {
-    // Claim the next item now: the atomic's latency hides behind this item's mainloop.
     int next_work = 0;
-    if (tid == 0) next_work = static_cast<int>(gridDim.x) + atomicAdd(p.work_counter, 1);
     const detail::WorkItem w = detail::decode_work<kBlockN>(p, work);
-    detail::gemm_item<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem);
+    detail::gemm_item<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem, [&] {
+      if (tid == 0) next_work = detail::claim_work(p.work_counter);
+    });
     // This barrier also hands the stages to the next item: every thread has finished this item's
     // wgmmas and copies. Every thread read the previous next_work_shared before this item's
     // first mainloop barrier (every item has at least one chunk).
@@ -549,37 +587,53 @@ __global__ void __launch_bounds__(kWarpgroups * w4a16::kThreadsPerWarpgroup, kMi
 w4a16_fused_moe_kernel(const W4a16FusedParams p) {
   uint8_t* smem = detail::aligned_dynamic_smem();
   const int tid = threadIdx.x;
+  // The item counts and the first item pass through shared memory rather than staying live in
+  // registers across the two inlined mainloops. ptxas's uniform-register allocation of those
+  // loops is sensitive to what surrounds them: variants of this prologue and of the L2 wait below
+  // added 16 descriptor copies (UMOV) to every K group of the L2 mainloop (224 instead of 208
+  // instructions; 14% slower at DeepSeek-V3 T=2, H200). tests/sass/check_sass.sh prints the
+  // group sizes: compare them before and after changing this kernel.
+  __shared__ int work_bounds[2];  // L1 items; L1 + L2 items
+  __shared__ int next_work_shared;
   allow_dependent_launch();
   grid_dependency_wait();  // the dispatch results are complete from here on
   const bool zeroes = p.l1.zero_first != nullptr;
-  if (zeroes) {
-    detail::zero_grid_stride(p.l1.zero_first, p.l1.zero_count);
-    __syncthreads();
-    if (tid == 0) detail::red_release_add(p.ctas_zeroed, 1);
+  if (zeroes) detail::zero_grid_stride(p.l1.zero_first, p.l1.zero_count);
+  if (tid == 0) {
+    const int l1_items = p.l1.tile_offsets[p.l1.num_experts];
+    work_bounds[0] = l1_items;
+    work_bounds[1] = l1_items + p.l2.tile_offsets[p.l2.num_experts];
+    next_work_shared = static_cast<int>(blockIdx.x);
   }
-  const int l1_work = p.l1.tile_offsets[p.l1.num_experts];
-  const int total_work = l1_work + p.l2.tile_offsets[p.l2.num_experts];
-  __shared__ int next_work_shared;
+  __syncthreads();  // work_bounds, next_work_shared; this CTA's zeroing done
+  if (zeroes && tid == 0) detail::red_release_add(p.ctas_zeroed, 1);
 
-  for (int work = blockIdx.x; work < total_work;) {
+  for (int work = next_work_shared; work < work_bounds[1];) {
     int next_work = 0;
-    if (tid == 0) next_work = static_cast<int>(gridDim.x) + atomicAdd(p.l1.work_counter, 1);
+    auto claim = [&] {
+      if (tid == 0) next_work = detail::claim_work(p.l1.work_counter);
+    };
+    const int l1_work = work_bounds[0];
     const bool is_l1 = work < l1_work;
     int expert;
     if (is_l1) {
       const detail::WorkItem w = detail::decode_work<kBlockN>(p.l1, work);
       expert = w.expert;
-      detail::gemm_item<true, kWarpgroups, kBlockN, kStages>(p.l1, w, smem);
+      detail::gemm_item<true, kWarpgroups, kBlockN, kStages>(p.l1, w, smem, claim);
     } else {
       const detail::WorkItem w = detail::decode_work<kBlockN>(p.l2, work - l1_work);
       expert = w.expert;
       if (tid == 0) {
+        // The item's weights do not depend on L1: start the DRAM reads of its first chunks (as
+        // many as the pipeline's prologue copies) into L2 before waiting, so they land from L2
+        // once the item's B rows exist.
+        detail::prefetch_item_weights<kWarpgroups, kStages - detail::kChunksPerGroup<kBlockN>>(p.l2, w);
         const int e = w.expert;
         detail::wait_at_least(p.l1_tiles_done + e, p.l1.tile_offsets[e + 1] - p.l1.tile_offsets[e]);
-        if (zeroes) detail::wait_at_least(p.ctas_zeroed, static_cast<int32_t>(gridDim.x));
+        if (p.l1.zero_first != nullptr) detail::wait_at_least(p.ctas_zeroed, static_cast<int32_t>(gridDim.x));
       }
       __syncthreads();
-      detail::gemm_item<false, kWarpgroups, kBlockN, kStages>(p.l2, w, smem);
+      detail::gemm_item<false, kWarpgroups, kBlockN, kStages>(p.l2, w, smem, claim);
     }
     if (tid == 0) next_work_shared = next_work;
     __syncthreads();  // also orders the item's act stores before the release
