@@ -76,8 +76,8 @@ int64_t counter_count(const MoeProblem& p) { return kL1DoneCounters + virtual_ex
 
 // Workspace: every region 256-byte aligned, sized for max_tokens.
 struct WorkspaceLayout {
-  size_t expert_offsets, l1_tiles, l2_tiles, invalid, counters, slot_token, slot_weight, token_slot, act,
-      out_acc, y_slot, total;
+  size_t expert_offsets, l1_tiles, l2_tiles, invalid, counters, cta_counts, cta_invalid, slot_token, slot_weight,
+      token_slot, act, out_acc, y_slot, total;
 };
 WorkspaceLayout workspace_layout(const MoeProblem& p) {
   WorkspaceLayout w{};
@@ -94,6 +94,9 @@ WorkspaceLayout workspace_layout(const MoeProblem& p) {
   w.l2_tiles = take(ev * 4);
   w.invalid = take(4);
   w.counters = take(static_cast<size_t>(counter_count(p)) * 4);
+  // The multi-CTA dispatch's per-CTA expert counts (large T only).
+  w.cta_counts = take(static_cast<size_t>(k90::kDispatchMaxCtas) * static_cast<size_t>(p.num_experts) * 4);
+  w.cta_invalid = take(static_cast<size_t>(k90::kDispatchMaxCtas) * 4);
   w.slot_token = take(slots * 4);
   w.slot_weight = take(slots * 4);
   w.token_slot = take(slots * 4);
@@ -429,8 +432,25 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   d.invalid_ids = at<int32_t>(ws, L.invalid);
   d.counters = at<int32_t>(ws, L.counters);
   d.counter_count = static_cast<int32_t>(counter_count(p));
-  k90::moe_dispatch_kernel<<<1, k90::kDispatchThreads, 0, stream>>>(d);
-  check_cuda(cudaGetLastError(), "moe_dispatch_kernel launch");
+  d.cta_counts = at<int32_t>(ws, L.cta_counts);
+  d.cta_invalid = at<int32_t>(ws, L.cta_invalid);
+  const int64_t selections = T * p.top_k;
+  if (selections <= k90::kDispatchSingleCtaItems) {
+    d.tokens_per_cta = static_cast<int32_t>(T);
+    k90::moe_dispatch_kernel<<<1, k90::kDispatchThreads, 0, stream>>>(d);
+    check_cuda(cudaGetLastError(), "moe_dispatch_kernel launch");
+  } else {
+    // At least kDispatchThreads selections per CTA, whole tokens, no empty CTA.
+    const int64_t want = std::min<int64_t>(k90::kDispatchMaxCtas,
+                                           (selections + k90::kDispatchThreads - 1) / k90::kDispatchThreads);
+    const int64_t tokens_per_cta = (T + want - 1) / want;
+    const int64_t ctas = (T + tokens_per_cta - 1) / tokens_per_cta;
+    d.tokens_per_cta = static_cast<int32_t>(tokens_per_cta);
+    k90::moe_dispatch_count_kernel<<<static_cast<unsigned>(ctas), k90::kDispatchThreads, 0, stream>>>(d);
+    check_cuda(cudaGetLastError(), "moe_dispatch_count_kernel launch");
+    launch_dependent(&k90::moe_dispatch_place_kernel, static_cast<unsigned>(ctas), k90::kDispatchThreads, 0,
+                     stream, d);
+  }
 
   const float limit = p.swiglu_limit ? *p.swiglu_limit : std::numeric_limits<float>::infinity();
   // Upper bound of the work items, which sizes the grid (the exact count is known only on the

@@ -134,7 +134,15 @@ INSTANTIATE_TEST_SUITE_P(
              testing::ScaleCodes::kRealistic, {129, 161, 225, 192, 96, 32, 0, 128}},
         // 48-token tile (32.5/expert): widths 16, 32, 48.
         Case{"token_widths_tile48", 256, 128, 8, 1, 260, 0, std::nullopt, -1,
-             testing::ScaleCodes::kRealistic, {1, 16, 17, 32, 33, 48, 49, 64}}),
+             testing::ScaleCodes::kRealistic, {1, 16, 17, 32, 33, 48, 49, 64}},
+        // The multi-CTA dispatch (more than 4096 selections): just past the single-CTA limit
+        // (T * k = 4098: five CTAs, the last one a token short), with a shared expert, every
+        // token on one expert (each CTA starts within the same expert), and 127 CTAs of 65
+        // tokens, the last one of 10.
+        Case{"dispatch_just_past_one_cta", 128, 64, 16, 2, 2049},
+        Case{"dispatch_shared_expert", 128, 64, 16, 4, 1500, 128},
+        Case{"dispatch_all_on_one_expert", 128, 64, 8, 1, 5000, 0, std::nullopt, 3},
+        Case{"dispatch_127_ctas", 64, 64, 32, 16, 8200}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 // The decode tile with the launch forced either way (the heuristic picks one per T): the fused
@@ -290,6 +298,32 @@ TEST(GpuMoe, InvalidExpertIdsAreCountedAndSkipped) {
   valid.weights[6] = 0.0f;
   valid.ids[6] = 0;
   const auto stats = testing::compare(got, testing::widen(reference::moe_forward(layer, hidden, 5, valid)));
+  EXPECT_EQ(stats.nans, 0);
+  EXPECT_LE(stats.rel_l2, kMaxRelL2);
+}
+
+// The same through the multi-CTA dispatch: invalid ids in the first, a middle and the last
+// CTA's tokens (T * k = 8400: 9 CTAs of 234 tokens, the last one of 228).
+TEST(GpuMoe, InvalidExpertIdsAreCountedAndSkippedAtLargeT) {
+  MEGAMOE_REQUIRE_GPU();
+  std::mt19937 rng(fresh_seed());
+  constexpr int64_t T = 2100;
+  const MoeLayer layer = testing::random_layer(rng, 128, 64, 8, 4);
+  auto topk = testing::random_topk(rng, T, 8, 4);
+  const std::vector<size_t> bad = {1, 4 * 1000 + 2, 4 * (T - 1) + 3};
+  topk.ids[bad[0]] = 8;  // == E
+  topk.ids[bad[1]] = -7;
+  topk.ids[bad[2]] = 1 << 30;
+  const auto hidden = testing::random_hidden(rng, T, 128);
+  GpuMoe gpu(layer, T, true);
+  const auto got = gpu.run(hidden, topk);
+  EXPECT_EQ(gpu.plan.invalid_id_count(gpu.workspace.get(), nullptr), 3);
+  auto valid = topk;
+  for (size_t i : bad) {
+    valid.weights[i] = 0.0f;
+    valid.ids[i] = 0;
+  }
+  const auto stats = testing::compare(got, testing::widen(reference::moe_forward(layer, hidden, T, valid)));
   EXPECT_EQ(stats.nans, 0);
   EXPECT_LE(stats.rel_l2, kMaxRelL2);
 }
