@@ -37,6 +37,9 @@ struct GemmConfig {
 };
 // The 16-token decode tile: the only tile the fused L1 + L2 launch is built for.
 inline constexpr GemmConfig kFusedTile{1, 16, 8};
+// CTAs per SM of the 16-token tile's kernels (their launch bounds: <= 80 registers), which the
+// heuristic's count of CTA slots assumes.
+inline constexpr int kFusedTileCtasPerSm = 6;
 struct MoeConfig {
   GemmConfig l1;       // x · W13ᵀ + SwiGLU
   GemmConfig l2;       // a · W2ᵀ + combine

@@ -33,9 +33,6 @@ bool MoeConfig::can_fuse() const {
   return is_fused_tile(l1) && is_fused_tile(l2);
 }
 
-// CTAs per SM of the 16-token decode tile (its kernel's launch bounds, sm90_moe_runtime.cu).
-constexpr int kDecodeCtasPerSm = 6;
-
 MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms) {
   // Average rows of B per routed expert.
   const double per_expert = problem.num_experts > 0
@@ -92,7 +89,7 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
     const double active = E * (1.0 - std::pow(1.0 - problem.top_k / E, static_cast<double>(tokens)));
     const double tiles = active + chunks * std::ceil(static_cast<double>(tokens) / decode.block_n);
     const double l1_items = tiles * static_cast<double>(2 * problem.intermediate_size / 64);
-    const double waves = l1_items / (static_cast<double>(num_sms) * kDecodeCtasPerSm);
+    const double waves = l1_items / (static_cast<double>(num_sms) * kFusedTileCtasPerSm);
     cfg.fused = waves >= 0.6 && waves <= 4.5;
   }
   return cfg;

@@ -339,16 +339,18 @@ void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params,
                         int64_t max_work, cudaStream_t stream) {
   MEGAMOE_CHECK(c.k_splits >= 1 && (c.k_splits == 1 || (!kIsL1 && params.y_slot == nullptr)), kInternal,
                 "GEMM config ", c.to_string(), ": only the atomic L2 may split K");
-  // The 16-token decode tile is pinned to 6 CTAs per SM (<= 80 registers, no spills; eight
-  // stages of 6 CTAs fit shared memory): one more warp per SM sub-partition to hide the decode's
-  // latency, 2-8% faster than 5 CTAs from T=2 to T=64 (H200, DeepSeek-V3 / Qwen3-30B). The
-  // 32-token tile stays at 5 (<= 96 registers; a code change that let ptxas take 109 registers
-  // once cost 5% unnoticed). The 48- and 64-token tiles are pinned to 4 (<= 128 registers).
+  // The 16-token decode tile is pinned to 6 CTAs per SM (kFusedTileCtasPerSm; <= 80 registers,
+  // no spills; eight stages of 6 CTAs fit shared memory): one more warp per SM sub-partition to
+  // hide the decode's latency, 2-8% faster than 5 CTAs from T=2 to T=64 (H200, DeepSeek-V3 /
+  // Qwen3-30B). The 32-token tile stays at 5 (<= 96 registers; a code change that let ptxas
+  // take 109 registers once cost 5% unnoticed). The 48- and 64-token tiles are pinned to 4 (<= 128 registers).
   // Stage counts are chosen so that shared memory allows as many CTAs as registers do (the
   // 64-token tile excepted: 3 CTAs, four stages for 4 CTAs measured slower, T=1536 3685 -> 3994
   // us).
+  static_assert(kFusedTile.warpgroups == 1 && kFusedTile.block_n == 16 && kFusedTile.stages == 8,
+                "kFusedTile is the 16-token tile instantiated below");
   if (c.warpgroups == 1 && c.block_n == 16 && c.stages == 8) {
-    launch_gemm<kIsL1, 1, 16, 8, 6>(params, num_sms, max_work, stream);
+    launch_gemm<kIsL1, 1, 16, 8, kFusedTileCtasPerSm>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 1 && c.block_n == 32 && c.stages == 6) {
     launch_gemm<kIsL1, 1, 32, 6, 5>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 1 && c.block_n == 48 && c.stages == 6) {
@@ -370,8 +372,8 @@ void launch_fused(const MoeConfig& c, const k90::W4a16FusedParams& params, int n
   MEGAMOE_CHECK(c.can_fuse(), kInternal, "no fused kernel instantiated for ", c.to_string());
   constexpr int kWG = kFusedTile.warpgroups, kBN = kFusedTile.block_n, kStages = kFusedTile.stages;
   using Smem = k90::W4a16SmemLayout<kWG, kBN, kStages>;
-  // Six CTAs per SM, as the two-launch 16-token kernels (launch_gemm_config).
-  auto* kernel = &k90::w4a16_fused_moe_kernel<kWG, kBN, kStages, 6>;
+  // As many CTAs per SM as the two-launch 16-token kernels (launch_gemm_config).
+  auto* kernel = &k90::w4a16_fused_moe_kernel<kWG, kBN, kStages, kFusedTileCtasPerSm>;
   static const int blocks_per_sm = prepare_kernel(kernel, kWG * 128, Smem::kAllocBytes);
   // Every CTA must be resident at once (L2 items wait for L1 items held by other CTAs): the grid
   // never exceeds the occupancy of all the device's SMs (see MoeTuning::fused for the limits).
