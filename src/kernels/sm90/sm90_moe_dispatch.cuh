@@ -68,6 +68,19 @@ struct ScanStorage {
   int32_t warp[33][3];
 };
 
+// Inclusive prefix sums of three values over a warp's lanes (the three shuffle chains
+// interleave).
+__device__ __forceinline__ void warp_inclusive_scan3(int32_t (&v)[3], int lane) {
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+#pragma unroll
+    for (int k = 0; k < 3; ++k) {
+      const int32_t up = __shfl_up_sync(0xffffffffu, v[k], d);
+      if (lane >= d) v[k] += up;
+    }
+  }
+}
+
 // Exclusive prefix sums over the CTA of three values per item, two items per thread (items
 // 2 * tid and 2 * tid + 1); returns the three totals. Warp shuffles, one warp for the warps'
 // sums, two barriers. It replaced three cub raking scans (BLOCK_SCAN_RAKING runs one warp
@@ -79,14 +92,7 @@ __device__ __forceinline__ void block_exclusive_scan3(int32_t (&x)[2][3], int32_
   int32_t own[3], incl[3];
 #pragma unroll
   for (int k = 0; k < 3; ++k) incl[k] = own[k] = x[0][k] + x[1][k];
-#pragma unroll
-  for (int d = 1; d < 32; d *= 2) {
-#pragma unroll
-    for (int k = 0; k < 3; ++k) {
-      const int32_t up = __shfl_up_sync(0xffffffffu, incl[k], d);
-      if (lane >= d) incl[k] += up;
-    }
-  }
+  warp_inclusive_scan3(incl, lane);
   if (lane == 31) {
 #pragma unroll
     for (int k = 0; k < 3; ++k) st.warp[warp][k] = incl[k];
@@ -96,14 +102,7 @@ __device__ __forceinline__ void block_exclusive_scan3(int32_t (&x)[2][3], int32_
     int32_t w[3], wi[3];
 #pragma unroll
     for (int k = 0; k < 3; ++k) wi[k] = w[k] = st.warp[lane][k];
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-#pragma unroll
-      for (int k = 0; k < 3; ++k) {
-        const int32_t up = __shfl_up_sync(0xffffffffu, wi[k], d);
-        if (lane >= d) wi[k] += up;
-      }
-    }
+    warp_inclusive_scan3(wi, lane);
 #pragma unroll
     for (int k = 0; k < 3; ++k) {
       st.warp[lane][k] = wi[k] - w[k];
