@@ -343,10 +343,10 @@ void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params,
   // no spills; eight stages of 6 CTAs fit shared memory): one more warp per SM sub-partition to
   // hide the decode's latency, 2-8% faster than 5 CTAs from T=2 to T=64 (H200, DeepSeek-V3 /
   // Qwen3-30B). The 32-token tile stays at 5 (<= 96 registers; a code change that let ptxas
-  // take 109 registers once cost 5% unnoticed). The 48- and 64-token tiles are pinned to 4 (<= 128 registers).
-  // Stage counts are chosen so that shared memory allows as many CTAs as registers do (the
-  // 64-token tile excepted: 3 CTAs, four stages for 4 CTAs measured slower, T=1536 3685 -> 3994
-  // us).
+  // take 109 registers once cost 5% unnoticed). The 48- and 64-token tiles are pinned to 4
+  // (<= 128 registers). Stage counts are chosen so that shared memory allows as many CTAs as
+  // registers do (the 64-token tile excepted: 3 CTAs, four stages for 4 CTAs measured slower,
+  // T=1536 3685 -> 3994 us).
   static_assert(kFusedTile.warpgroups == 1 && kFusedTile.block_n == 16 && kFusedTile.stages == 8,
                 "kFusedTile is the 16-token tile instantiated below");
   if (c.warpgroups == 1 && c.block_n == 16 && c.stages == 8) {

@@ -159,6 +159,17 @@ __device__ __forceinline__ void scan_offsets(const DispatchParams& p, ScanStorag
   __syncthreads();
 }
 
+// Counts one selection of expert e in counts[] (shared memory), or in invalid when e is outside
+// [0, E).
+__device__ __forceinline__ void count_selection(const DispatchParams& p, int32_t e, int32_t* counts,
+                                                int32_t* invalid) {
+  if (e >= 0 && e < p.num_experts) {
+    atomicAdd(&counts[e], 1);
+  } else {
+    atomicAdd(invalid, 1);
+  }
+}
+
 // Places selection i (token i / k, rank i % k) of expert e at the next slot of e's cursor; an
 // id outside [0, E) gets slot -1 (skipped by the combine, counted in invalid_ids).
 __device__ __forceinline__ void place_selection(const DispatchParams& p, int64_t i, int32_t e, float weight,
@@ -192,9 +203,9 @@ __device__ __forceinline__ void place_shared(const DispatchParams& p, int t0, in
 }  // namespace dispatch_detail
 
 // One CTA: the counts live in shared memory, so the whole dispatch is two passes over the ids
-// plus one block scan (of three values). Slot order inside an expert is whatever the atomics give; results do
-// not depend on it (each GEMM column is computed independently, the combine sums in top-k
-// order through token_slot). At decode the kernel is a chain of latencies on the critical path
+// plus one block scan (of three values). Slot order inside an expert is whatever the atomics
+// give; results do not depend on it (each GEMM column is computed independently, the combine
+// sums in top-k order through token_slot). At decode the kernel is a chain of latencies on the critical path
 // of the layer (the L1 GEMM waits for it to complete), so it reads each input once, into
 // registers, and keeps the slot offsets it needs in shared memory rather than re-reading the
 // global results it wrote.
@@ -225,13 +236,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(Dispa
   for (int i = tid; i < p.counter_count; i += kDispatchThreads) p.counters[i] = 0;
   __syncthreads();
 
-  auto count = [&](int32_t e) {
-    if (e >= 0 && e < p.num_experts) {
-      atomicAdd(&counts[e], 1);
-    } else {
-      atomicAdd(&invalid, 1);
-    }
-  };
+  auto count = [&](int32_t e) { dispatch_detail::count_selection(p, e, counts, &invalid); };
   constexpr int64_t kCached = static_cast<int64_t>(kDispatchCachedPerThread) * kDispatchThreads;
 #pragma unroll
   for (int j = 0; j < kDispatchCachedPerThread; ++j) {
@@ -242,7 +247,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(Dispa
 
   dispatch_detail::scan_offsets(p, scan_storage, counts, cursor, /*publish=*/true);
 
-  // The scans' last barrier published cursor[] (= the slot offsets) to every thread.
+  // The scan's last barrier published cursor[] (= the slot offsets) to every thread.
   if (tid == 0) *p.invalid_ids = invalid;
 
   auto place = [&](int64_t i, int32_t e, float weight) {
@@ -274,12 +279,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_count_kernel
   const int t1 = min(p.tokens, t0 + p.tokens_per_cta);
   const int64_t end = static_cast<int64_t>(t1) * p.top_k;
   for (int64_t i = static_cast<int64_t>(t0) * p.top_k + tid; i < end; i += kDispatchThreads) {
-    const int32_t e = p.topk_ids[i];
-    if (e >= 0 && e < p.num_experts) {
-      atomicAdd(&counts[e], 1);
-    } else {
-      atomicAdd(&invalid, 1);
-    }
+    dispatch_detail::count_selection(p, p.topk_ids[i], counts, &invalid);
   }
   __syncthreads();
   int32_t* out = p.cta_counts + static_cast<int64_t>(blockIdx.x) * p.num_experts;
