@@ -198,6 +198,15 @@ __device__ __forceinline__ WorkItem decode_work(const W4a16GemmParams& p, int wo
   return w;
 }
 
+// The K chunks of a work item: [k_begin, k_begin + chunks) of its 64-row tiles.
+struct ItemChunks {
+  int k_begin, chunks;
+};
+__device__ __forceinline__ ItemChunks item_chunks(const W4a16GemmParams& p, const WorkItem& w) {
+  const int k_begin = w.k_split * p.k_chunks_per_split;
+  return {k_begin, min(p.k_chunks_per_split, p.k_chunks - k_begin)};
+}
+
 // Claims the next work item past the first gridDim.x (one thread). The schedulers claim when an
 // item's mainloop is done, and the atomic's latency hides behind the epilogue. Claiming when an
 // item started fixed each CTA's next item one item ahead: a CTA on a crowded SM took an item
@@ -218,8 +227,8 @@ __device__ __forceinline__ void prefetch_l2(const void* ptr, uint32_t bytes) {
 template <int kWarpgroups, int kChunks>
 __device__ __forceinline__ void prefetch_item_weights(const W4a16GemmParams& p, const WorkItem& w) {
   using namespace w4a16;
-  const int k_begin = w.k_split * p.k_chunks_per_split;
-  const int n = min(kChunks, min(p.k_chunks_per_split, p.k_chunks - k_begin));
+  const auto [k_begin, item_n] = item_chunks(p, w);
+  const int n = min(kChunks, item_n);
 #pragma unroll
   for (int wg = 0; wg < kWarpgroups; ++wg) {
     const int64_t tile0 = static_cast<int64_t>(w.m_block * kWarpgroups + wg) * p.k_chunks + k_begin;
@@ -380,8 +389,7 @@ __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkIt
     //      c ^ (r % 8) (128-byte swizzle). Rows past the expert's slots are zero-filled (src-size 0).
     constexpr int kPieces = kWidth * 8 / kThreads;
     static_assert(kWidth * 8 % kThreads == 0, "every token width * 8 must be a multiple of the thread count");
-    const int k_begin = w.k_split * p.k_chunks_per_split;
-    const int n = min(p.k_chunks_per_split, p.k_chunks - k_begin);  // chunks of this work item
+    const auto [k_begin, n] = item_chunks(p, w);  // chunks of this work item
     const int64_t a_tile0 = static_cast<int64_t>(m_block * kWarpgroups + wg) * p.k_chunks + k_begin;
     // Weight sources of the next group of chunks to copy (advanced by one group per group of
     // copies). The code pointer sits half a group past the group's first chunk so the chunks'
