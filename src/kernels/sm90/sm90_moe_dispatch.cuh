@@ -202,8 +202,9 @@ __device__ __forceinline__ void place_shared(const DispatchParams& p, int t0, in
 
 }  // namespace dispatch_detail
 
-// One CTA: the counts live in shared memory, so the whole dispatch is two passes over the ids
-// plus one block scan (of three values). Slot order inside an expert is whatever the atomics
+// One CTA, up to kDispatchSingleCtaItems selections: the counts live in shared memory, so the
+// whole dispatch is two passes over the ids (held in registers) plus one block scan (of three
+// values). Slot order inside an expert is whatever the atomics
 // give; results do not depend on it (each GEMM column is computed independently, the combine
 // sums in top-k order through token_slot). At decode the kernel is a chain of latencies on the critical path
 // of the layer (the L1 GEMM waits for it to complete), so it reads each input once, into
@@ -219,6 +220,10 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(Dispa
   const int tid = threadIdx.x;
   const int num_virtual = p.num_experts + p.shared_chunks;
   const int64_t items = static_cast<int64_t>(p.tokens) * p.top_k;
+  // Every selection is cached in registers: the host runs this kernel only up to
+  // kDispatchSingleCtaItems selections (the multi-CTA pair above). An internal invariant, not an
+  // input check (T and k are validated on the host): past it, selections would go unplaced.
+  if (items > kDispatchSingleCtaItems) __trap();
   // The ids' and weights' loads first: their memory latency overlaps the initialisation below
   // (issued after the counters' stores, they waited for them: the pointers may alias).
   int32_t cached_id[kDispatchCachedPerThread];
@@ -236,13 +241,12 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(Dispa
   for (int i = tid; i < p.counter_count; i += kDispatchThreads) p.counters[i] = 0;
   __syncthreads();
 
-  auto count = [&](int32_t e) { dispatch_detail::count_selection(p, e, counts, &invalid); };
-  constexpr int64_t kCached = static_cast<int64_t>(kDispatchCachedPerThread) * kDispatchThreads;
 #pragma unroll
   for (int j = 0; j < kDispatchCachedPerThread; ++j) {
-    if (tid + static_cast<int64_t>(j) * kDispatchThreads < items) count(cached_id[j]);
+    if (tid + static_cast<int64_t>(j) * kDispatchThreads < items) {
+      dispatch_detail::count_selection(p, cached_id[j], counts, &invalid);
+    }
   }
-  for (int64_t i = kCached + tid; i < items; i += kDispatchThreads) count(p.topk_ids[i]);
   __syncthreads();
 
   dispatch_detail::scan_offsets(p, scan_storage, counts, cursor, /*publish=*/true);
@@ -250,15 +254,11 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(Dispa
   // The scan's last barrier published cursor[] (= the slot offsets) to every thread.
   if (tid == 0) *p.invalid_ids = invalid;
 
-  auto place = [&](int64_t i, int32_t e, float weight) {
-    dispatch_detail::place_selection(p, i, e, weight, cursor);
-  };
 #pragma unroll
   for (int j = 0; j < kDispatchCachedPerThread; ++j) {
     const int64_t i = tid + static_cast<int64_t>(j) * kDispatchThreads;
-    if (i < items) place(i, cached_id[j], cached_weight[j]);
+    if (i < items) dispatch_detail::place_selection(p, i, cached_id[j], cached_weight[j], cursor);
   }
-  for (int64_t i = kCached + tid; i < items; i += kDispatchThreads) place(i, p.topk_ids[i], p.topk_weights[i]);
   // Shared slices. Their cursors are never advanced by the routed selections above, so cursor[]
   // still holds their offsets.
   dispatch_detail::place_shared(p, 0, p.tokens, cursor);
