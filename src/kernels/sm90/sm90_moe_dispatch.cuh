@@ -204,12 +204,11 @@ __device__ __forceinline__ void place_shared(const DispatchParams& p, int t0, in
 
 // One CTA, up to kDispatchSingleCtaItems selections: the counts live in shared memory, so the
 // whole dispatch is two passes over the ids (held in registers) plus one block scan (of three
-// values). Slot order inside an expert is whatever the atomics
-// give; results do not depend on it (each GEMM column is computed independently, the combine
-// sums in top-k order through token_slot). At decode the kernel is a chain of latencies on the critical path
-// of the layer (the L1 GEMM waits for it to complete), so it reads each input once, into
-// registers, and keeps the slot offsets it needs in shared memory rather than re-reading the
-// global results it wrote.
+// values). Slot order inside an expert is whatever the atomics give; results do not depend on it
+// (each GEMM column is computed independently, the combine sums in top-k order through
+// token_slot). At decode the kernel is a chain of latencies on the critical path of the layer
+// (the L1 GEMM waits for it to complete), so it reads each input once, into registers, and keeps
+// the slot offsets it needs in shared memory rather than re-reading the global results it wrote.
 __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(DispatchParams p) {
   __shared__ dispatch_detail::ScanStorage scan_storage;
   __shared__ int32_t counts[kDispatchMaxExperts];
@@ -221,7 +220,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(Dispa
   const int num_virtual = p.num_experts + p.shared_chunks;
   const int64_t items = static_cast<int64_t>(p.tokens) * p.top_k;
   // Every selection is cached in registers: the host runs this kernel only up to
-  // kDispatchSingleCtaItems selections (the multi-CTA pair above). An internal invariant, not an
+  // kDispatchSingleCtaItems selections (the multi-CTA pair below). An internal invariant, not an
   // input check (T and k are validated on the host): past it, selections would go unplaced.
   if (items > kDispatchSingleCtaItems) __trap();
   // The ids' and weights' loads first: their memory latency overlaps the initialisation below
