@@ -280,44 +280,19 @@ TEST(GpuMoe, GraphReplayEqualsEager) {
   cudaStreamDestroy(stream);
 }
 
-TEST(GpuMoe, InvalidExpertIdsAreCountedAndSkipped) {
-  MEGAMOE_REQUIRE_GPU();
+// Runs a random layer (H = 128, I = 64, E experts, top-k) over T tokens with the selections at
+// `bad` (flat [T, k] indices) given the out-of-range ids `bad_ids`: the run counts them, and the
+// valid selections still match the reference with the invalid ones dropped.
+void check_invalid_ids_skipped(int64_t E, int k, int64_t T, const std::vector<size_t>& bad,
+                               const std::vector<int32_t>& bad_ids) {
   std::mt19937 rng(fresh_seed());
-  const MoeLayer layer = testing::random_layer(rng, 128, 64, 4, 2);
-  auto topk = testing::random_topk(rng, 5, 4, 2);
-  topk.ids[3] = 4;    // == E
-  topk.ids[6] = -1;
-  const auto hidden = testing::random_hidden(rng, 5, 128);
-  GpuMoe gpu(layer, 5, true);
-  const auto got = gpu.run(hidden, topk);
-  EXPECT_EQ(gpu.plan.invalid_id_count(gpu.workspace.get(), nullptr), 2);
-  // The valid selections still match the reference with the invalid ones dropped.
-  auto valid = topk;
-  valid.weights[3] = 0.0f;
-  valid.ids[3] = 0;
-  valid.weights[6] = 0.0f;
-  valid.ids[6] = 0;
-  const auto stats = testing::compare(got, testing::widen(reference::moe_forward(layer, hidden, 5, valid)));
-  EXPECT_EQ(stats.nans, 0);
-  EXPECT_LE(stats.rel_l2, kMaxRelL2);
-}
-
-// The same through the multi-CTA dispatch: invalid ids in the first, a middle and the last
-// CTA's tokens (T * k = 8400: 9 CTAs of 234 tokens, the last one of 228).
-TEST(GpuMoe, InvalidExpertIdsAreCountedAndSkippedAtLargeT) {
-  MEGAMOE_REQUIRE_GPU();
-  std::mt19937 rng(fresh_seed());
-  constexpr int64_t T = 2100;
-  const MoeLayer layer = testing::random_layer(rng, 128, 64, 8, 4);
-  auto topk = testing::random_topk(rng, T, 8, 4);
-  const std::vector<size_t> bad = {1, 4 * 1000 + 2, 4 * (T - 1) + 3};
-  topk.ids[bad[0]] = 8;  // == E
-  topk.ids[bad[1]] = -7;
-  topk.ids[bad[2]] = 1 << 30;
+  const MoeLayer layer = testing::random_layer(rng, 128, 64, E, k);
+  auto topk = testing::random_topk(rng, T, E, k);
+  for (size_t j = 0; j < bad.size(); ++j) topk.ids[bad[j]] = bad_ids[j];
   const auto hidden = testing::random_hidden(rng, T, 128);
   GpuMoe gpu(layer, T, true);
   const auto got = gpu.run(hidden, topk);
-  EXPECT_EQ(gpu.plan.invalid_id_count(gpu.workspace.get(), nullptr), 3);
+  EXPECT_EQ(gpu.plan.invalid_id_count(gpu.workspace.get(), nullptr), static_cast<int64_t>(bad.size()));
   auto valid = topk;
   for (size_t i : bad) {
     valid.weights[i] = 0.0f;
@@ -326,6 +301,19 @@ TEST(GpuMoe, InvalidExpertIdsAreCountedAndSkippedAtLargeT) {
   const auto stats = testing::compare(got, testing::widen(reference::moe_forward(layer, hidden, T, valid)));
   EXPECT_EQ(stats.nans, 0);
   EXPECT_LE(stats.rel_l2, kMaxRelL2);
+}
+
+TEST(GpuMoe, InvalidExpertIdsAreCountedAndSkipped) {
+  MEGAMOE_REQUIRE_GPU();
+  check_invalid_ids_skipped(/*E=*/4, /*k=*/2, /*T=*/5, {3, 6}, {4 /* == E */, -1});
+}
+
+// The same through the multi-CTA dispatch: invalid ids in the first, a middle and the last
+// CTA's tokens (T * k = 8400: 9 CTAs of 234 tokens, the last one of 228).
+TEST(GpuMoe, InvalidExpertIdsAreCountedAndSkippedAtLargeT) {
+  MEGAMOE_REQUIRE_GPU();
+  constexpr int64_t T = 2100;
+  check_invalid_ids_skipped(/*E=*/8, /*k=*/4, T, {1, 4 * 1000 + 2, 4 * (T - 1) + 3}, {8 /* == E */, -7, 1 << 30});
 }
 
 TEST(GpuMoe, RejectsBadProblems) {
