@@ -240,6 +240,7 @@ int run_bench(const BenchOptions& opt) {
   problem.deterministic = opt.deterministic;
   MoeTuning tuning;
   tuning.fused = opt.fused;
+  tuning.early_start = opt.early_start;
   const MoePlan plan = MoePlan::create(problem, tuning);
   const MoeDeviceWeights weights = MoeDeviceWeights::upload(layer, stream);
   DeviceBuffer<uint8_t> workspace(plan.workspace_bytes());

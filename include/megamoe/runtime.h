@@ -40,14 +40,24 @@ inline constexpr GemmConfig kFusedTile{1, 16, 8};
 // CTAs per SM of the 16-token tile's kernels (their launch bounds: <= 80 registers), which the
 // heuristic's count of CTA slots assumes.
 inline constexpr int kFusedTileCtasPerSm = 6;
+// Early start (a tiny batch's L1 CTAs compute their first work item from the top-k ids and run it
+// while the dispatch kernel still runs) holds up to this many routed selections (T * k: one per
+// lane of a warp) and slots (T * (k + shared slices)).
+inline constexpr int64_t kEarlyStartMaxSelections = 32;
+inline constexpr int64_t kEarlyStartMaxSlots = 64;
 struct MoeConfig {
   GemmConfig l1;       // x · W13ᵀ + SwiGLU
   GemmConfig l2;       // a · W2ᵀ + combine
   bool fused = false;  // L1 and L2 in one persistent launch (needs can_fuse)
+  bool early_start = false;  // L1's first items start before the dispatch completes (tiny T)
   std::string to_string() const;
   // Whether both GEMMs run kFusedTile (K slices aside), so that they may run fused.
   bool can_fuse() const;
 };
+
+// Whether a batch of `tokens` is small enough for early start (kEarlyStartMaxSelections,
+// kEarlyStartMaxSlots).
+bool can_start_early(const MoeProblem& problem, int64_t tokens);
 
 // The heuristic: a pure function of the problem, the token count and the device's SM count
 // (printable).
@@ -61,6 +71,8 @@ struct MoeTuning {
   // once: where the process gets only part of the SMs (an MPS active-thread limit, a green
   // context), set it to false.
   std::optional<bool> fused;
+  // Early start (only where can_start_early); false waits for the dispatch before L1's first items.
+  std::optional<bool> early_start;
 };
 
 // The stacked NVFP4 expert layout inference engines keep on the GPU (DESIGN.md §2): DEVICE

@@ -263,6 +263,13 @@ MoeConfig MoePlan::config(int64_t tokens) const {
                   ") in both GEMMs; at T=", tokens, " the heuristic picks ", cfg.to_string());
     cfg.fused = *tuning_.fused;
   }
+  if (tuning_.early_start) {
+    MEGAMOE_CHECK(!*tuning_.early_start || can_start_early(p, tokens), kInvalidArgument,
+                  "MoeTuning.early_start: early start holds up to ", kEarlyStartMaxSelections,
+                  " routed selections (T * top_k) and ", kEarlyStartMaxSlots,
+                  " slots (T * (top_k + shared slices)); T=", tokens, " has more");
+    cfg.early_start = *tuning_.early_start;
+  }
   return cfg;
 }
 
@@ -437,6 +444,13 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   d.cta_counts = at<int32_t>(ws, L.cta_counts);
   d.cta_invalid = at<int32_t>(ws, L.cta_invalid);
   const int64_t selections = T * p.top_k;
+  // With early start the dispatch is off the critical path, and zeroes the combine accumulator
+  // itself: the fused launch's L2 items then need no hand-off from every CTA's zeroing (which
+  // early start would delay to each CTA's first wait for the dispatch: DeepSeek-V3 T=1 was 2 us
+  // slower on H100).
+  const bool dispatch_zeroes = cfg.early_start && !p.deterministic;
+  d.zero_first = dispatch_zeroes ? at<float>(ws, L.out_acc) : nullptr;
+  d.zero_count = dispatch_zeroes ? T * H : 0;
   if (selections <= k90::kDispatchSingleCtaItems) {
     d.tokens_per_cta = static_cast<int32_t>(T);
     k90::moe_dispatch_kernel<<<1, k90::kDispatchThreads, 0, stream>>>(d);
@@ -488,8 +502,15 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   g1.act = at<__nv_bfloat16>(ws, L.act);
   g1.act_ld = I;
   g1.swiglu_limit = limit;
-  g1.zero_first = p.deterministic ? nullptr : at<float>(ws, L.out_acc);
-  g1.zero_count = p.deterministic ? 0 : T * H;
+  g1.zero_first = p.deterministic || dispatch_zeroes ? nullptr : at<float>(ws, L.out_acc);
+  g1.zero_count = g1.zero_first != nullptr ? T * H : 0;
+  static_assert(kEarlyStartMaxSelections == k90::kTinyMaxSelections && kEarlyStartMaxSlots == k90::kTinyMaxSlots,
+                "the API's early-start limits must be the kernels' (sm90_moe_tiny_schedule.cuh)");
+  g1.topk_ids = cfg.early_start ? args.topk_ids : nullptr;
+  g1.tokens = d.tokens;
+  g1.top_k = d.top_k;
+  g1.num_routed = d.num_experts;
+  g1.shared_chunks = d.shared_chunks;
   k90::W4a16GemmParams g2 = g1;
   g2.codes = w.w2_codes;
   g2.scales = w.w2_scales;
@@ -511,6 +532,7 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   g2.out_ld = H;
   g2.zero_first = nullptr;
   g2.zero_count = 0;
+  g2.topk_ids = nullptr;
   const int64_t l1_work = max_work(cfg.l1, d.l1_m_tiles), l2_work = max_work(cfg.l2, d.l2_m_tiles);
   if (cfg.fused) {
     k90::W4a16FusedParams f{};

@@ -69,6 +69,24 @@ TEST(Heuristics, DecodeFusesTheGemmsWhenL1EndsInAPartialWave) {
   EXPECT_FALSE(choose_moe_config(dsv3, 4, 60).fused);
 }
 
+TEST(Heuristics, TinyBatchesStartEarly) {
+  const MoeProblem dsv3 = deepseek_v3(), qwen3 = qwen3_30b();
+  // Up to 32 routed selections and 64 slots (DeepSeek-V3: k = 8 and one shared slice).
+  EXPECT_TRUE(choose_moe_config(dsv3, 1).early_start);
+  EXPECT_TRUE(choose_moe_config(dsv3, 4).early_start);  // 32 selections, 36 slots
+  EXPECT_FALSE(choose_moe_config(dsv3, 5).early_start);
+  EXPECT_TRUE(choose_moe_config(qwen3, 4).early_start);
+  EXPECT_FALSE(choose_moe_config(qwen3, 16).early_start);
+  MoeProblem many_slices = qwen3;
+  many_slices.shared_intermediate_size = 8 * qwen3.intermediate_size;  // 16 slots per token
+  EXPECT_TRUE(can_start_early(many_slices, 4));
+  EXPECT_FALSE(can_start_early(many_slices, 5));  // 40 selections
+  many_slices.top_k = 4;                           // 12 slots per token
+  EXPECT_TRUE(can_start_early(many_slices, 5));   // 20 selections, 60 slots
+  EXPECT_FALSE(can_start_early(many_slices, 6));  // 72 slots
+  EXPECT_NE(choose_moe_config(dsv3, 1).to_string().find("early-start"), std::string::npos);
+}
+
 TEST(Heuristics, OddTileCountsAvoidTheTwoWarpgroupTile) {
   MoeProblem p = deepseek_v3();
   p.hidden_size = 192;  // L2 has 3 row tiles of 64

@@ -146,15 +146,18 @@ INSTANTIATE_TEST_SUITE_P(
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 // The decode tile with the launch forced either way (the heuristic picks one per T): the fused
-// L1 + L2 launch and the two-launch pipeline.
+// L1 + L2 launch and the two-launch pipeline; early start (the heuristic's choice up to
+// T * k = 32) forced off in some.
 struct TuningCase {
   Case c;
   bool fused;
+  std::optional<bool> early_start = std::nullopt;
 };
 void PrintTo(const TuningCase& tc, std::ostream* os) { *os << tc.c.name; }
 MoeTuning tuning_of(const TuningCase& tc) {
   MoeTuning t;
   t.fused = tc.fused;
+  t.early_start = tc.early_start;
   return t;
 }
 
@@ -183,7 +186,15 @@ INSTANTIATE_TEST_SUITE_P(
         TuningCase{Case{"fused_every_scale_code", 512, 256, 8, 2, 5, 256, std::nullopt, -1,
                         testing::ScaleCodes::kEveryCode}, true},
         TuningCase{Case{"fused_all_on_one_expert", 192, 64, 8, 1, 13, 0, std::nullopt, 5}, true},
-        TuningCase{Case{"fused_swiglu_clamp", 256, 128, 8, 2, 9, 0, 0.25f}, true}),
+        TuningCase{Case{"fused_swiglu_clamp", 256, 128, 8, 2, 9, 0, 0.25f}, true},
+        TuningCase{Case{"fused_T1_waiting", 512, 256, 16, 4, 1, 256}, true, false},
+        TuningCase{Case{"unfused_T3_waiting", 512, 256, 16, 4, 3, 256}, false, false},
+        // Early start at its limits: 64 slots (T * (k + 8 shared slices)), 32 selections.
+        TuningCase{Case{"fused_early_64_slots", 256, 64, 16, 8, 4, 512}, true},
+        TuningCase{Case{"unfused_early_64_slots", 256, 64, 16, 8, 4, 512}, false},
+        // 32 tokens on one expert: two n-tiles, so first items with n_tile = 1.
+        TuningCase{Case{"fused_early_two_n_tiles", 192, 64, 4, 1, 32, 0, std::nullopt, 2}, true},
+        TuningCase{Case{"unfused_early_two_n_tiles", 192, 64, 4, 1, 32, 0, std::nullopt, 2}, false}),
     [](const ::testing::TestParamInfo<TuningCase>& info) { return std::string(info.param.c.name); });
 
 // DeepGEMM's rule for a fused path: bitwise equal to the unfused pipeline of the library's own
@@ -209,6 +220,45 @@ TEST(GpuMoe, FusedIsBitwiseTheTwoLaunchPipeline) {
   }
 }
 
+// Early start changes only when L1's first items start, never the schedule or the arithmetic:
+// bitwise equal to waiting for the dispatch (deterministic mode), fused and not, with a shared
+// expert, an invalid id, every token on one expert, and the 32-token tile (one expert).
+TEST(GpuMoe, EarlyStartIsBitwiseTheWaitingPipeline) {
+  MEGAMOE_REQUIRE_GPU();
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed=" << seed);
+  std::mt19937 rng(seed);
+  struct Shape {
+    int64_t H, I, E;
+    int k;
+    int64_t shared_I, T;
+    int only_expert;
+  };
+  for (const Shape& s : {Shape{512, 256, 16, 4, 256, 1, -1}, Shape{512, 256, 16, 4, 256, 7, -1},
+                         Shape{256, 64, 16, 8, 512, 4, -1}, Shape{192, 64, 8, 2, 0, 16, 3},
+                         Shape{128, 64, 1, 1, 0, 20, -1}}) {
+    const MoeLayer layer = testing::random_layer(rng, s.H, s.I, s.E, s.k, s.shared_I);
+    const auto hidden = testing::random_hidden(rng, s.T, s.H);
+    auto topk = testing::random_topk(rng, s.T, s.E, s.k, s.only_expert);
+    if (s.T > 1) topk.ids[1] = static_cast<int32_t>(s.E);  // invalid: skipped by both
+    for (bool fused : {true, false}) {
+      MoeTuning early, waiting;
+      early.early_start = true;
+      waiting.early_start = false;
+      if (MoePlan::create(MoeProblem::from_layer(layer, s.T), {}).config(s.T).can_fuse()) {
+        early.fused = waiting.fused = fused;
+      } else if (fused) {
+        continue;  // the 32-token tile has no fused kernel
+      }
+      GpuMoe a(layer, s.T, true, early), b(layer, s.T, true, waiting);
+      ASSERT_TRUE(a.plan.config(s.T).early_start) << a.plan.describe(s.T);
+      const auto got = a.run(hidden, topk);
+      ASSERT_EQ(got, b.run(hidden, topk)) << a.plan.describe(s.T);
+      for (int rep = 0; rep < 3; ++rep) ASSERT_EQ(a.run(hidden, topk), got) << "repetition " << rep;
+    }
+  }
+}
+
 TEST(GpuMoe, RejectsTuningThatCannotRun) {
   MEGAMOE_REQUIRE_GPU();
   std::mt19937 rng(fresh_seed());
@@ -220,6 +270,12 @@ TEST(GpuMoe, RejectsTuningThatCannotRun) {
   EXPECT_THROW(MoePlan::create(p, t).config(512), Error);  // 128 tokens per expert: no fused kernel
   t.fused = false;
   EXPECT_FALSE(MoePlan::create(p, t).config(8).fused);
+  MoeTuning early;
+  early.early_start = true;
+  EXPECT_TRUE(MoePlan::create(p, early).config(16).early_start);  // 32 selections
+  EXPECT_THROW(MoePlan::create(p, early).config(17), Error);      // 34: more than a warp
+  early.early_start = false;
+  EXPECT_FALSE(MoePlan::create(p, early).config(1).early_start);
 }
 
 TEST(GpuMoe, ZeroTokensIsANoOp) {

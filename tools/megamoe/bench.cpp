@@ -31,11 +31,16 @@ Command add_bench_command(CLI::App& parent) {
   auto fused = std::make_shared<std::string>();
   app->add_option("--fused", *fused, "override the heuristic: the fused L1 + L2 launch (decode tile only)")
       ->check(CLI::IsMember({"on", "off"}));
+  auto early_start = std::make_shared<std::string>();
+  app->add_option("--early-start", *early_start,
+                  "override the heuristic: L1 starts before the dispatch completes (T * top_k <= 32 only)")
+      ->check(CLI::IsMember({"on", "off"}));
   app->add_option("--seed", opt->seed, "seed of the synthesized weights and inputs");
   app->add_option("--json", opt->json, "write the results as JSON (plot with bench/plot_bench.py)");
   app->add_option("--work-dir", opt->work_dir, "where to write the synthesized checkpoint");
-  return {app, [opt, fused] {
+  return {app, [opt, fused, early_start] {
             if (!fused->empty()) opt->fused = *fused == "on";
+            if (!early_start->empty()) opt->early_start = *early_start == "on";
             if (bench::run_bench(*opt) != 0) {
               MEGAMOE_FAIL(kInternal, "the accuracy check failed (see above)");
             }

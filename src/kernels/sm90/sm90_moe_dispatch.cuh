@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "kernels/common/pdl.cuh"
+#include "kernels/sm90/sm90_moe_tiny_schedule.cuh"
 
 namespace megamoe::kernels::sm90 {
 
@@ -44,6 +45,10 @@ struct DispatchParams {
   // launch's per-expert L1 progress.
   int32_t* counters;
   int32_t counter_count;
+  // One-CTA path with early start: the atomic-combine accumulator (T, H) fp32, zeroed here
+  // (the dispatch is then off the critical path; the L1 GEMM zeroes it otherwise). Null if not.
+  float* zero_first;
+  int64_t zero_count;  // floats, a multiple of 4
   // Multi-CTA path only: each CTA owns tokens [blockIdx.x * tokens_per_cta, + tokens_per_cta).
   int32_t tokens_per_cta;
   int32_t* cta_counts;           // (kDispatchMaxCtas, E) routed selections per CTA and expert
@@ -170,19 +175,24 @@ __device__ __forceinline__ void count_selection(const DispatchParams& p, int32_t
   }
 }
 
-// Places selection i (token i / k, rank i % k) of expert e at the next slot of e's cursor; an
-// id outside [0, E) gets slot -1 (skipped by the combine, counted in invalid_ids).
-__device__ __forceinline__ void place_selection(const DispatchParams& p, int64_t i, int32_t e, float weight,
-                                                int32_t* cursor) {
+// Stores selection i (token i / k, rank i % k) at `slot`; slot -1 is an id outside [0, E)
+// (skipped by the combine, counted in invalid_ids).
+__device__ __forceinline__ void store_selection(const DispatchParams& p, int64_t i, int32_t slot, float weight) {
   const int64_t t = i / p.top_k;
   const int64_t j = i % p.top_k;
-  int32_t slot = -1;
-  if (e >= 0 && e < p.num_experts) {
-    slot = atomicAdd(&cursor[e], 1);
+  if (slot >= 0) {
     p.slot_token[slot] = static_cast<int32_t>(t);
     p.slot_weight[slot] = weight;
   }
   p.token_slot[t * (p.top_k + p.shared_chunks) + j] = slot;
+}
+
+// Places selection i of expert e at the next slot of e's cursor (slot order within an expert:
+// whatever the atomics give).
+__device__ __forceinline__ void place_selection(const DispatchParams& p, int64_t i, int32_t e, float weight,
+                                                int32_t* cursor) {
+  const int32_t slot = e >= 0 && e < p.num_experts ? atomicAdd(&cursor[e], 1) : -1;
+  store_selection(p, i, slot, weight);
 }
 
 // Shared slices of tokens [t0, t1): slot = offset + token, in token order; offsets[E + c] is
@@ -204,10 +214,11 @@ __device__ __forceinline__ void place_shared(const DispatchParams& p, int t0, in
 
 // One CTA, up to kDispatchSingleCtaItems selections: the counts live in shared memory, so the
 // whole dispatch is two passes over the ids (held in registers) plus one block scan (of three
-// values). Slot order inside an expert is whatever the atomics give; results do not depend on it
-// (each GEMM column is computed independently, the combine sums in top-k order through
-// token_slot). At decode the kernel is a chain of latencies on the critical path of the layer
-// (the L1 GEMM waits for it to complete), so it reads each input once, into registers, and keeps
+// values). Slot order inside an expert is whatever the atomics give (results do not depend on it:
+// each GEMM column is computed independently, the combine sums in top-k order through
+// token_slot), except for a tiny batch, placed in the order the L1 GEMM's early start recomputes.
+// At decode the kernel is a chain of latencies on the critical path of the layer (the L1 GEMM
+// waits for it before its second work item), so it reads each input once, into registers, and keeps
 // the slot offsets it needs in shared memory rather than re-reading the global results it wrote.
 __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(DispatchParams p) {
   __shared__ dispatch_detail::ScanStorage scan_storage;
@@ -253,14 +264,28 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(Dispa
   // The scan's last barrier published cursor[] (= the slot offsets) to every thread.
   if (tid == 0) *p.invalid_ids = invalid;
 
+if (items <= kTinyMaxSelections) {
+    // A tiny batch: warp 0 places the selections where the L1 GEMM's CTAs, starting early,
+    // expect them (sm90_moe_tiny_schedule.cuh): the expert's offset plus the rank in selection
+    // order.
+    if (tid < 32) {
+      const TinySelection s = tiny_select(cached_id[0], tid < items, p.num_experts);
+      if (tid < items) dispatch_detail::store_selection(p, tid, s.valid ? cursor[s.expert] + s.rank : -1, cached_weight[0]);
+    }
+  } else {
 #pragma unroll
-  for (int j = 0; j < kDispatchCachedPerThread; ++j) {
-    const int64_t i = tid + static_cast<int64_t>(j) * kDispatchThreads;
-    if (i < items) dispatch_detail::place_selection(p, i, cached_id[j], cached_weight[j], cursor);
+    for (int j = 0; j < kDispatchCachedPerThread; ++j) {
+      const int64_t i = tid + static_cast<int64_t>(j) * kDispatchThreads;
+      if (i < items) dispatch_detail::place_selection(p, i, cached_id[j], cached_weight[j], cursor);
+    }
   }
   // Shared slices. Their cursors are never advanced by the routed selections above, so cursor[]
   // still holds their offsets.
   dispatch_detail::place_shared(p, 0, p.tokens, cursor);
+  if (p.zero_first != nullptr) {
+    const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int64_t i = tid; i < p.zero_count / 4; i += kDispatchThreads) reinterpret_cast<float4*>(p.zero_first)[i] = zero;
+  }
 }
 
 // Multi-CTA dispatch, first kernel: each CTA counts the routed selections of its tokens per

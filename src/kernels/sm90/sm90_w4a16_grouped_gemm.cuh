@@ -14,6 +14,13 @@
 // w4a16_fused_moe_kernel runs L1's items and then L2's in one persistent launch, each L2 item
 // starting as soon as its expert's L1 tiles are complete (decode: no grid-wide barrier, no
 // launch between the GEMMs, and the CTAs that finish L1 early start L2).
+//
+// Early start (tiny batches, T * k <= 32): the L1 CTAs do not wait for the dispatch kernel
+// before their first work item. Each computes that item from the top-k ids itself
+// (sm90_moe_tiny_schedule.cuh: the schedule the dispatch publishes), and waits for the dispatch
+// (griddepcontrol.wait) only after that item's mainloop, before anything that reads the
+// dispatch's results or counters: claiming the next item, the fused launch's hand-off counters,
+// any later item.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -24,6 +31,7 @@
 #include <cute/arch/mma_sm90_gmma_ext.hpp>  // N = 48
 
 #include "kernels/common/pdl.cuh"
+#include "kernels/sm90/sm90_moe_tiny_schedule.cuh"
 #include "kernels/sm90/sm90_w4a16_decode.cuh"
 #include "kernels/sm90/sm90_w4a16_layout.h"
 
@@ -67,6 +75,14 @@ struct W4a16GemmParams {
   // items wait until every CTA has zeroed its part).
   float* zero_first;
   int64_t zero_count;  // floats, a multiple of 4
+  // L1 only, early start (see the top of this file): the top-k ids (T, k), or null to wait for
+  // the dispatch before the first item. Set only where T * k <= kTinyMaxSelections and
+  // T * (k + shared_chunks) <= kTinyMaxSlots.
+  const int32_t* topk_ids;
+  int32_t tokens;         // T
+  int32_t top_k;          // k
+  int32_t num_routed;     // E (num_experts counts the shared slices as well)
+  int32_t shared_chunks;
 };
 
 namespace detail {
@@ -174,6 +190,9 @@ __device__ __noinline__ void zero_grid_stride(float* dst, int64_t count) {
 // dispatch kernel's per-expert prefix of work items.
 struct WorkItem {
   int expert, m_block, k_split, slot_begin, slot_end;
+  // Where L1 reads its slots' tokens: the dispatch's slot_token, or early start's copy in
+  // shared memory.
+  const int32_t* slot_token;
 };
 template <int kBlockN>
 __device__ __forceinline__ WorkItem decode_work(const W4a16GemmParams& p, int work) {
@@ -195,7 +214,74 @@ __device__ __forceinline__ WorkItem decode_work(const W4a16GemmParams& p, int wo
   w.m_block = local / n_tiles / p.k_splits;
   w.slot_begin = p.expert_offsets[lo] + n_tile * kBlockN;
   w.slot_end = p.expert_offsets[lo + 1];
+  w.slot_token = p.slot_token;
   return w;
+}
+
+// Tiles that may see an early start: T * k <= 32 puts at most 32 tokens on an expert, which the
+// heuristic runs on a one-warpgroup tile of at most 48 tokens. The others do not carry its code
+// (it cost the 128-token L1 kernel 120 bytes of spills).
+template <bool kIsL1, int kWarpgroups, int kBlockN>
+inline constexpr bool kMayStartEarly = kIsL1 && kWarpgroups == 1 && kBlockN <= 48;
+
+// Early start's shared memory: the tiny batch's slot -> token map, the CTA's first work item and
+// the work-item counts.
+struct EarlyStart {
+  int32_t slot_token[kTinyMaxSlots];
+  WorkItem first;  // expert -1: the CTA's first item is not an L1 item
+  int32_t l1_items, l2_items;
+};
+
+// The tiny batch's schedule from the top-k ids, exactly as the dispatch kernel publishes it
+// (virtual experts in id order; an expert of c slots has ceil(c / kBlockN) * (m_tiles /
+// kWarpgroups) * k_splits items), and this CTA's first item (blockIdx.x). l2_m_tiles = 0 where
+// no L2 items follow (the two-launch L1 kernel). Every thread calls it: each warp computes the
+// same schedule and warp 0 stores it. (Run by warp 0 alone, behind a tid < 32 branch, it made
+// ptxas build the L1 mainloop's wgmma descriptors in ordinary registers: 44 more instructions
+// per K group of the 16-token kernel.)
+template <int kWarpgroups, int kBlockN>
+__device__ __forceinline__ void early_schedule(const W4a16GemmParams& l1, int l2_m_tiles, int l2_k_splits,
+                                               EarlyStart& es) {
+  const int lane = threadIdx.x % 32;
+  const int selections = l1.tokens * l1.top_k, T = l1.tokens, chunks = l1.shared_chunks;
+  // The host's invariant (MoePlan::config), not an input check: past it the map would overflow.
+  if (selections > kTinyMaxSelections || T * (l1.top_k + chunks) > kTinyMaxSlots) __trap();
+  const bool in_range = lane < selections;
+  const TinySelection s = tiny_select(in_range ? l1.topk_ids[lane] : -1, in_range, l1.num_routed);
+  auto items = [](int count, int m_tiles, int k_splits) {
+    return (count + kBlockN - 1) / kBlockN * (m_tiles / kWarpgroups) * k_splits;
+  };
+  const int32_t v[3] = {s.count, items(s.count, l1.m_tiles, 1), items(s.count, l2_m_tiles, l2_k_splits)};
+  int32_t before[3], total[3];  // (slots, L1 items, L2 items) of the routed experts
+  tiny_sum_before(s, v, before, total);
+  const bool writer = threadIdx.x < 32;
+  if (writer && s.valid) es.slot_token[before[0] + s.rank] = lane / l1.top_k;
+  // Shared slice c holds every token in order: slots total[0] + c * T + t.
+  for (int i = lane; writer && i < T * chunks; i += 32) es.slot_token[total[0] + i] = i % T;
+  const int shared_l1 = items(T, l1.m_tiles, 1);
+
+  // The first item: a routed expert's (its leader finds it), or a shared slice's, or none.
+  const int work = static_cast<int>(blockIdx.x);
+  const unsigned owner = __ballot_sync(0xffffffffu, s.leader && before[1] <= work && work < before[1] + v[1]);
+  const int src = owner != 0 ? __ffs(owner) - 1 : 0;
+  int expert = __shfl_sync(0xffffffffu, s.expert, src);
+  int slot0 = __shfl_sync(0xffffffffu, before[0], src);
+  int count = __shfl_sync(0xffffffffu, s.count, src);
+  int item0 = __shfl_sync(0xffffffffu, before[1], src);
+  const int l1_items = total[1] + chunks * shared_l1;
+  if (owner == 0) {
+    const int c = shared_l1 > 0 ? (work - total[1]) / shared_l1 : 0;
+    expert = work < l1_items ? l1.num_routed + c : -1;
+    slot0 = total[0] + c * T;
+    count = T;
+    item0 = total[1] + c * shared_l1;
+  }
+  const int local = work - item0, n_tiles = (count + kBlockN - 1) / kBlockN;
+  if (threadIdx.x == 0) {
+    es.first = WorkItem{expert, local / n_tiles, 0, slot0 + local % n_tiles * kBlockN, slot0 + count, es.slot_token};
+    es.l1_items = l1_items;
+    es.l2_items = total[2] + chunks * items(T, l2_m_tiles, l2_k_splits);
+  }
 }
 
 // The K chunks of a work item: [k_begin, k_begin + chunks) of its 64-row tiles.
@@ -408,7 +494,7 @@ __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkIt
       const int r = i / 8, c = i % 8;
       const int slot = slot_begin + r;
       b_valid[j] = slot < slot_end;
-      const int64_t src_row = !b_valid[j] ? 0 : (kIsL1 ? p.slot_token[slot] : slot);
+      const int64_t src_row = !b_valid[j] ? 0 : (kIsL1 ? w.slot_token[slot] : slot);
       b_src[j] = reinterpret_cast<const char*>(p.b_src + src_row * p.b_ld + k_begin * kChunkK + c * 8);
       b_dst[j] = smem_u32 + Smem::kBOffset + r * 128 + ((c ^ (r & 7)) * 16);
     }
@@ -555,18 +641,34 @@ __global__ void __launch_bounds__(kWarpgroups * w4a16::kThreadsPerWarpgroup, kMi
 w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
   uint8_t* smem = detail::aligned_dynamic_smem();
   const int tid = threadIdx.x;
+  __shared__ detail::EarlyStart early;
+  __shared__ int next_work_shared;
   allow_dependent_launch();
-  grid_dependency_wait();  // the dispatch (L1) or L1 (L2) results are complete from here on
+  const bool early_start = detail::kMayStartEarly<kIsL1, kWarpgroups, kBlockN> && p.topk_ids != nullptr;
+  int total_work;
+  if (early_start) {
+    if constexpr (detail::kMayStartEarly<kIsL1, kWarpgroups, kBlockN>) {
+      detail::early_schedule<kWarpgroups, kBlockN>(p, 0, 0, early);
+    }
+  } else {
+    grid_dependency_wait();  // the dispatch (L1) or L1 (L2) results are complete from here on
+  }
   if constexpr (kIsL1) {
     if (p.zero_first != nullptr) detail::zero_grid_stride(p.zero_first, p.zero_count);
   }
-  const int total_work = p.tile_offsets[p.num_experts];
-  __shared__ int next_work_shared;
+  if (early_start) {
+    __syncthreads();  // early
+    total_work = early.l1_items;
+  } else {
+    total_work = p.tile_offsets[p.num_experts];
+  }
 
   for (int work = blockIdx.x; work < total_work;) {
     int next_work = 0;
-    const detail::WorkItem w = detail::decode_work<kBlockN>(p, work);
+    const detail::WorkItem w =
+        early_start && work == static_cast<int>(blockIdx.x) ? early.first : detail::decode_work<kBlockN>(p, work);
     detail::gemm_item<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem, [&] {
+      grid_dependency_wait();  // early start: the dispatch's counter and schedule from here on
       if (tid == 0) next_work = detail::claim_work(p.work_counter);
     });
     // This barrier also hands the stages to the next item: every thread has finished this item's
@@ -576,6 +678,9 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     __syncthreads();
     work = next_work_shared;
   }
+  // Early start: a CTA that ran no item still completes only after the dispatch (the kernels
+  // after this one wait for this grid alone).
+  grid_dependency_wait();
 }
 
 // Parameters of the fused L1 + L2 launch.
@@ -589,7 +694,9 @@ struct W4a16FusedParams {
 // tiles are complete (and the combine accumulator is zeroed). No deadlock: items are claimed in
 // index order by running CTAs (the first gridDim.x by blockIdx, and the grid never exceeds what
 // is resident at once), an L2 item only waits on items of smaller index, and L1 items wait on
-// nothing.
+// nothing but the dispatch kernel (early start), which was running before this grid launched.
+// With early start a CTA publishes its zeroing after its first wait for the dispatch (which
+// zeroes the counter it adds to); every CTA gets there, L2 items being the only waiters.
 template <int kWarpgroups, int kBlockN, int kStages, int kMinBlocksPerSm>
 __global__ void __launch_bounds__(kWarpgroups * w4a16::kThreadsPerWarpgroup, kMinBlocksPerSm)
 w4a16_fused_moe_kernel(const W4a16FusedParams p) {
@@ -603,32 +710,53 @@ w4a16_fused_moe_kernel(const W4a16FusedParams p) {
   // group sizes: compare them before and after changing this kernel.
   __shared__ int work_bounds[2];  // L1 items; L1 + L2 items
   __shared__ int next_work_shared;
+  __shared__ detail::EarlyStart early;
   allow_dependent_launch();
-  grid_dependency_wait();  // the dispatch results are complete from here on
+  const bool early_start = p.l1.topk_ids != nullptr;
+  if (early_start) {
+    detail::early_schedule<kWarpgroups, kBlockN>(p.l1, p.l2.m_tiles, p.l2.k_splits, early);
+  } else {
+    grid_dependency_wait();  // the dispatch results are complete from here on
+  }
   const bool zeroes = p.l1.zero_first != nullptr;
   if (zeroes) detail::zero_grid_stride(p.l1.zero_first, p.l1.zero_count);
   if (tid == 0) {
-    const int l1_items = p.l1.tile_offsets[p.l1.num_experts];
+    // (early start: thread 0 wrote early's counts itself)
+    const int l1_items = early_start ? early.l1_items : p.l1.tile_offsets[p.l1.num_experts];
     work_bounds[0] = l1_items;
-    work_bounds[1] = l1_items + p.l2.tile_offsets[p.l2.num_experts];
+    work_bounds[1] = l1_items + (early_start ? early.l2_items : p.l2.tile_offsets[p.l2.num_experts]);
     next_work_shared = static_cast<int>(blockIdx.x);
   }
-  __syncthreads();  // work_bounds, next_work_shared; this CTA's zeroing done
-  if (zeroes && tid == 0) detail::red_release_add(p.ctas_zeroed, 1);
+  __syncthreads();  // work_bounds, next_work_shared, early; this CTA's zeroing done
+  // Publishes this CTA's zeroing once the dispatch (which zeroes the counter) has completed:
+  // at once, or with early start at the first wait for the dispatch.
+  bool waited = !early_start;
+  if (zeroes && waited && tid == 0) detail::red_release_add(p.ctas_zeroed, 1);
+  auto wait_dispatch = [&] {
+    if (!waited) {
+      grid_dependency_wait();
+      if (zeroes && tid == 0) detail::red_release_add(p.ctas_zeroed, 1);
+      waited = true;
+    }
+  };
 
   for (int work = next_work_shared; work < work_bounds[1];) {
     int next_work = 0;
     auto claim = [&] {
+      wait_dispatch();
       if (tid == 0) next_work = detail::claim_work(p.l1.work_counter);
     };
     const int l1_work = work_bounds[0];
     const bool is_l1 = work < l1_work;
     int expert;
     if (is_l1) {
-      const detail::WorkItem w = detail::decode_work<kBlockN>(p.l1, work);
+      const detail::WorkItem w = early_start && work == static_cast<int>(blockIdx.x)
+                                     ? early.first
+                                     : detail::decode_work<kBlockN>(p.l1, work);
       expert = w.expert;
       detail::gemm_item<true, kWarpgroups, kBlockN, kStages>(p.l1, w, smem, claim);
     } else {
+      wait_dispatch();
       const detail::WorkItem w = detail::decode_work<kBlockN>(p.l2, work - l1_work);
       expert = w.expert;
       if (tid == 0) {
@@ -648,6 +776,7 @@ w4a16_fused_moe_kernel(const W4a16FusedParams p) {
     if (is_l1 && tid == 0) detail::red_release_add(p.l1_tiles_done + expert, 1);
     work = next_work_shared;
   }
+  wait_dispatch();  // a CTA that ran no item still publishes its zeroing
 }
 
 }  // namespace megamoe::kernels::sm90
