@@ -340,15 +340,20 @@ TEST(GpuMoe, GraphReplayEqualsEager) {
 // `bad` (flat [T, k] indices) given the out-of-range ids `bad_ids`: the run counts them, and the
 // valid selections still match the reference with the invalid ones dropped.
 void check_invalid_ids_skipped(int64_t E, int k, int64_t T, const std::vector<size_t>& bad,
-                               const std::vector<int32_t>& bad_ids) {
+                               const std::vector<int32_t>& bad_ids, bool deterministic = true,
+                               const MoeTuning& tuning = {}) {
   std::mt19937 rng(fresh_seed());
   const MoeLayer layer = testing::random_layer(rng, 128, 64, E, k);
   auto topk = testing::random_topk(rng, T, E, k);
   for (size_t j = 0; j < bad.size(); ++j) topk.ids[bad[j]] = bad_ids[j];
   const auto hidden = testing::random_hidden(rng, T, 128);
-  GpuMoe gpu(layer, T, true);
+  GpuMoe gpu(layer, T, deterministic, tuning);
   const auto got = gpu.run(hidden, topk);
   EXPECT_EQ(gpu.plan.invalid_id_count(gpu.workspace.get(), nullptr), static_cast<int64_t>(bad.size()));
+  if (bad.size() == static_cast<size_t>(T * k)) {  // no valid id: exactly zero (a relative error is undefined)
+    for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i] & 0x7fffu, 0u) << "output " << i << " " << gpu.plan.describe(T);
+    return;
+  }
   auto valid = topk;
   for (size_t i : bad) {
     valid.weights[i] = 0.0f;
@@ -362,6 +367,21 @@ void check_invalid_ids_skipped(int64_t E, int k, int64_t T, const std::vector<si
 TEST(GpuMoe, InvalidExpertIdsAreCountedAndSkipped) {
   MEGAMOE_REQUIRE_GPU();
   check_invalid_ids_skipped(/*E=*/4, /*k=*/2, /*T=*/5, {3, 6}, {4 /* == E */, -1});
+}
+
+// Every id invalid: no L2 work item at all, and still every output written (zero), in each
+// combine: the folded one (two launches, atomic), the combine kernel after the fused launch, and
+// the deterministic one.
+TEST(GpuMoe, AllExpertIdsInvalidGivesZeros) {
+  MEGAMOE_REQUIRE_GPU();
+  const std::vector<size_t> all = {0, 1, 2, 3, 4, 5};
+  const std::vector<int32_t> ids = {4, -1, 9, 1 << 30, -5, 4};
+  MoeTuning fused, unfused;
+  fused.fused = true;
+  unfused.fused = false;
+  for (bool deterministic : {false, true}) {
+    for (const MoeTuning& t : {fused, unfused}) check_invalid_ids_skipped(/*E=*/4, /*k=*/2, /*T=*/3, all, ids, deterministic, t);
+  }
 }
 
 // The same through the multi-CTA dispatch: invalid ids in the first, a middle and the last
