@@ -452,7 +452,6 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   d.zero_first = dispatch_zeroes ? at<float>(ws, L.out_acc) : nullptr;
   d.zero_count = dispatch_zeroes ? T * H : 0;
   if (selections <= k90::kDispatchSingleCtaItems) {
-    d.tokens_per_cta = static_cast<int32_t>(T);
     k90::moe_dispatch_kernel<<<1, k90::kDispatchThreads, 0, stream>>>(d);
     check_cuda(cudaGetLastError(), "moe_dispatch_kernel launch");
   } else {
