@@ -218,8 +218,9 @@ __device__ __forceinline__ void place_shared(const DispatchParams& p, int t0, in
 // each GEMM column is computed independently, the combine sums in top-k order through
 // token_slot), except for a tiny batch, placed in the order the L1 GEMM's early start recomputes.
 // At decode the kernel is a chain of latencies on the critical path of the layer (the L1 GEMM
-// waits for it before its second work item), so it reads each input once, into registers, and keeps
-// the slot offsets it needs in shared memory rather than re-reading the global results it wrote.
+// waits for it; with early start, from its second work item on), so it reads each input once,
+// into registers, and keeps the slot offsets it needs in shared memory rather than re-reading
+// the global results it wrote.
 __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(DispatchParams p) {
   __shared__ dispatch_detail::ScanStorage scan_storage;
   __shared__ int32_t counts[kDispatchMaxExperts];
