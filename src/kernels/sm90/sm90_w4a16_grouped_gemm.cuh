@@ -695,8 +695,6 @@ struct W4a16FusedParams {
 // index order by running CTAs (the first gridDim.x by blockIdx, and the grid never exceeds what
 // is resident at once), an L2 item only waits on items of smaller index, and L1 items wait on
 // nothing but the dispatch kernel (early start), which was running before this grid launched.
-// With early start a CTA publishes its zeroing after its first wait for the dispatch (which
-// zeroes the counter it adds to); every CTA gets there, L2 items being the only waiters.
 template <int kWarpgroups, int kBlockN, int kStages, int kMinBlocksPerSm>
 __global__ void __launch_bounds__(kWarpgroups * w4a16::kThreadsPerWarpgroup, kMinBlocksPerSm)
 w4a16_fused_moe_kernel(const W4a16FusedParams p) {
@@ -713,12 +711,16 @@ w4a16_fused_moe_kernel(const W4a16FusedParams p) {
   __shared__ detail::EarlyStart early;
   allow_dependent_launch();
   const bool early_start = p.l1.topk_ids != nullptr;
+  const bool zeroes = p.l1.zero_first != nullptr;
+  // With early start the dispatch zeroes the accumulator (run()): a CTA's zeroing here could be
+  // published only after it waits for the dispatch (which zeroes ctas_zeroed), and L2 items would
+  // wait for every CTA's first mainloop. The host's invariant: past it, L2 items could hang.
+  if (early_start && zeroes) __trap();
   if (early_start) {
     detail::early_schedule<kWarpgroups, kBlockN>(p.l1, p.l2.m_tiles, p.l2.k_splits, early);
   } else {
     grid_dependency_wait();  // the dispatch results are complete from here on
   }
-  const bool zeroes = p.l1.zero_first != nullptr;
   if (zeroes) detail::zero_grid_stride(p.l1.zero_first, p.l1.zero_count);
   if (tid == 0) {
     // (early start: thread 0 wrote early's counts itself)
@@ -728,22 +730,12 @@ w4a16_fused_moe_kernel(const W4a16FusedParams p) {
     next_work_shared = static_cast<int>(blockIdx.x);
   }
   __syncthreads();  // work_bounds, next_work_shared, early; this CTA's zeroing done
-  // Publishes this CTA's zeroing once the dispatch (which zeroes the counter) has completed:
-  // at once, or with early start at the first wait for the dispatch.
-  bool waited = !early_start;
-  if (zeroes && waited && tid == 0) detail::red_release_add(p.ctas_zeroed, 1);
-  auto wait_dispatch = [&] {
-    if (!waited) {
-      grid_dependency_wait();
-      if (zeroes && tid == 0) detail::red_release_add(p.ctas_zeroed, 1);
-      waited = true;
-    }
-  };
+  if (zeroes && tid == 0) detail::red_release_add(p.ctas_zeroed, 1);
 
   for (int work = next_work_shared; work < work_bounds[1];) {
     int next_work = 0;
     auto claim = [&] {
-      wait_dispatch();
+      grid_dependency_wait();  // early start: the dispatch's counters and schedule from here on
       if (tid == 0) next_work = detail::claim_work(p.l1.work_counter);
     };
     const int l1_work = work_bounds[0];
@@ -756,7 +748,7 @@ w4a16_fused_moe_kernel(const W4a16FusedParams p) {
       expert = w.expert;
       detail::gemm_item<true, kWarpgroups, kBlockN, kStages>(p.l1, w, smem, claim);
     } else {
-      wait_dispatch();
+      grid_dependency_wait();  // early start: a CTA's first item may be an L2 item
       const detail::WorkItem w = detail::decode_work<kBlockN>(p.l2, work - l1_work);
       expert = w.expert;
       if (tid == 0) {
@@ -776,7 +768,9 @@ w4a16_fused_moe_kernel(const W4a16FusedParams p) {
     if (is_l1 && tid == 0) detail::red_release_add(p.l1_tiles_done + expert, 1);
     work = next_work_shared;
   }
-  wait_dispatch();  // a CTA that ran no item still publishes its zeroing
+  // Early start: a CTA that ran no item still completes only after the dispatch (the combine
+  // kernel waits for this grid alone).
+  grid_dependency_wait();
 }
 
 }  // namespace megamoe::kernels::sm90
