@@ -81,7 +81,7 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
     // Measured on H200 (DeepSeek-V3 / Qwen3-30B-A3B, uniform routing; docs/perf): each token
     // tile should hold an average expert's tokens in one piece (the weights are then decoded
     // once) while staying as narrow as that allows (the decode regime is instruction-bound).
-    if (per_expert <= 16) return decode;    // 1..16 tokens
+    if (per_expert <= 16) return decode;    // 1..16 tokens (12..16 unfused: see below)
     if (per_expert <= 24) return decode32;  // T=768: 3705 -> 3081 us vs the 64-token tile
     if (per_expert <= 40) return decode48;  // T=1024: 4283 -> 3213 us vs the 32-token tile
     // 64-token tile, two chunks per wgmma round trip: at 48 tokens per expert 15-25% faster than
@@ -123,6 +123,16 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
     const double l1_items = tiles * static_cast<double>(2 * problem.intermediate_size / 64);
     const double waves = l1_items / (static_cast<double>(num_sms) * kFusedTileCtasPerSm);
     cfg.fused = waves >= 0.6 && waves <= 4.5;
+  }
+  // Two launches at 12-16 tokens per expert: the 32-token tile. An expert's count is about
+  // Poisson(per_expert), so from 12 on over 10% of the experts need a second 16-token tile, which
+  // decodes every weight again; the 32-token tile runs an expert of <= 16 tokens at width 16 all
+  // the same. H100, interleaved, two rounds (us, 16 -> 32): DeepSeek-V3 T=384 2396/2387 ->
+  // 2323/2328, T=512 2786/2819 -> 2406/2407, Qwen3-30B T=256 173.9/174.3 -> 164.6/164.6. Fused,
+  // the 16-token tile stays ahead (Qwen3-30B T=192, 12 per expert: 152.4 fused vs 159.2).
+  if (!cfg.fused && per_expert > 11) {
+    if (cfg.l1.block_n == decode.block_n) cfg.l1 = decode32;
+    if (cfg.l2.block_n == decode.block_n) cfg.l2 = decode32;
   }
   // A tiny batch's L1 CTAs start their first items while the dispatch kernel runs: its ~4.4 us
   // and the hand-off leave the critical path (sm90_w4a16_grouped_gemm.cuh).

@@ -29,7 +29,10 @@ MoeProblem qwen3_30b() { return preset_problem("qwen3-30b-a3b"); }
 TEST(Heuristics, TokenTileFollowsTokensPerExpert) {
   const MoeProblem p = deepseek_v3();  // 32 tokens of T per expert
   EXPECT_EQ(choose_moe_config(p, 1).l1.block_n, 16);
-  EXPECT_EQ(choose_moe_config(p, 512).l1.block_n, 16);
+  EXPECT_EQ(choose_moe_config(p, 320).l1.block_n, 16);  // 10 per expert: 3% need a second tile
+  EXPECT_EQ(choose_moe_config(p, 384).l1.block_n, 32);  // 12 per expert: 10%
+  EXPECT_EQ(choose_moe_config(p, 512).l1.block_n, 32);
+  EXPECT_EQ(choose_moe_config(p, 512).l2.block_n, 32);
   EXPECT_EQ(choose_moe_config(p, 768).l1.block_n, 32);
   EXPECT_EQ(choose_moe_config(p, 1024).l1.block_n, 48);
   EXPECT_EQ(choose_moe_config(p, 1536).l1.block_n, 64);
@@ -63,7 +66,9 @@ TEST(Heuristics, DecodeFusesTheGemmsWhenL1EndsInAPartialWave) {
   EXPECT_FALSE(choose_moe_config(qwen3, 2, sms).fused);  // 0.5 waves: no tail to fill
   EXPECT_TRUE(choose_moe_config(qwen3, 16, sms).fused);
   EXPECT_TRUE(choose_moe_config(qwen3, 192, sms).fused);   // 4.2 waves of expected tiles
+  EXPECT_EQ(choose_moe_config(qwen3, 192, sms).l1.block_n, 16);  // fused: keeps the 16-token tile
   EXPECT_FALSE(choose_moe_config(qwen3, 256, sms).fused);  // 5.6: many experts need two tiles
+  EXPECT_EQ(choose_moe_config(qwen3, 256, sms).l1.block_n, 32);  // ... so two launches take 32
   EXPECT_FALSE(choose_moe_config(qwen3, 1024, sms).fused);  // 48-token tile: no fused kernel
   EXPECT_FALSE(choose_moe_config(dsv3, 4096, sms).fused);
   // Fewer SMs: the same items make more waves.
