@@ -81,7 +81,7 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
     // Measured on H200 (DeepSeek-V3 / Qwen3-30B-A3B, uniform routing; docs/perf): each token
     // tile should hold an average expert's tokens in one piece (the weights are then decoded
     // once) while staying as narrow as that allows (the decode regime is instruction-bound).
-    if (per_expert <= 16) return decode;    // 1..16 tokens (12..16 unfused: see below)
+    if (per_expert <= 16) return decode;    // 1..16 tokens (unfused, often 32: see below)
     if (per_expert <= 24) return decode32;  // T=768: 3705 -> 3081 us vs the 64-token tile
     if (per_expert <= 40) return decode48;  // T=1024: 4283 -> 3213 us vs the 32-token tile
     // 64-token tile, two chunks per wgmma round trip: at 48 tokens per expert 15-25% faster than
@@ -111,26 +111,33 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   // 236 -> 228, Qwen3-30B T=4 (0.9) 46.9 -> 45.4, T=16 (2.5) 93.0 -> 87.7, T=64 (3.9) 124.4 ->
   // 121.6; but Qwen3 T=2 (0.5 waves: no tail to fill) 31.6 -> 33.3, DeepSeek-V3 T=16 (8 waves)
   // 688 -> 696 and T=64 1447 -> 1474.
+  // Expected token tiles of width block_n per 64-row block (each decodes its weights once) under
+  // uniform routing: an expert's token count is binomial, and each shared slice holds every
+  // token. Counting one tile per expert with tokens put Qwen3-30B T=256 (16 tokens per expert:
+  // 45% of experts need two tiles) at 3.9 waves, fused, where it has 5.6 and runs 1.9% faster in
+  // two launches (H100: 179.7 -> 176.3 us).
+  const double E = static_cast<double>(problem.num_experts);
+  const double chunks = static_cast<double>(problem.shared_intermediate_size / problem.intermediate_size);
+  auto expected_tile_count = [&](int block_n) {
+    return E * expected_tiles(tokens, problem.top_k / E, block_n) +
+           chunks * std::ceil(static_cast<double>(tokens) / block_n);
+  };
   if (cfg.can_fuse() && num_sms > 0) {
-    const double E = static_cast<double>(problem.num_experts);
-    const double chunks = static_cast<double>(problem.shared_intermediate_size / problem.intermediate_size);
-    // Expected 16-token tiles under uniform routing (an expert's token count is binomial), then
-    // the shared slices (every token: one tile per 16 tokens). Counting one tile per expert with
-    // tokens put Qwen3-30B T=256 (16 tokens per expert: 45% of experts need two tiles) at 3.9
-    // waves, fused, where it has 5.6 and runs 1.9% faster in two launches (H100: 179.7 -> 176.3 us).
-    const double tiles = E * expected_tiles(tokens, problem.top_k / E, decode.block_n) +
-                         chunks * std::ceil(static_cast<double>(tokens) / decode.block_n);
-    const double l1_items = tiles * static_cast<double>(2 * problem.intermediate_size / 64);
+    const double l1_items = expected_tile_count(decode.block_n) * static_cast<double>(2 * problem.intermediate_size / 64);
     const double waves = l1_items / (static_cast<double>(num_sms) * kFusedTileCtasPerSm);
     cfg.fused = waves >= 0.6 && waves <= 4.5;
   }
-  // Two launches at 12-16 tokens per expert: the 32-token tile. An expert's count is about
-  // Poisson(per_expert), so from 12 on over 10% of the experts need a second 16-token tile, which
-  // decodes every weight again; the 32-token tile runs an expert of <= 16 tokens at width 16 all
-  // the same. H100, interleaved, two rounds (us, 16 -> 32): DeepSeek-V3 T=384 2396/2387 ->
-  // 2323/2328, T=512 2786/2819 -> 2406/2407, Qwen3-30B T=256 173.9/174.3 -> 164.6/164.6. Fused,
-  // the 16-token tile stays ahead (Qwen3-30B T=192, 12 per expert: 152.4 fused vs 159.2).
-  if (!cfg.fused && per_expert > 11) {
+  // Two launches: the 32-token tile wherever it decodes at least 1.5% fewer weights than the
+  // 16-token tile, i.e. fewer tiles: an expert past 16 tokens (from 12 per expert on, over 10% of
+  // them), and the shared slices, which take every token (DeepSeek-V3 T=256: 16 tiles per slice
+  // instead of 8). An item of <= 16 tokens still runs at width 16 in the 32-token tile. H100,
+  // interleaved, two rounds each (us, 16 -> 32): DeepSeek-V3 T=128 2154/2154 -> 2135/2134, T=192
+  // 2232/2233 -> 2204/2204, T=256 2287/2284 -> 2248/2245, T=320 2332/2331 -> 2283/2286, T=384
+  // 2396/2387 -> 2323/2328, T=512 2786/2819 -> 2406/2407; Qwen3-30B T=256 173.9/174.3 ->
+  // 164.6/164.6. Fused, the 16-token tile stays ahead (Qwen3-30B T=192, 12 per expert: 152.4
+  // fused vs 159.2).
+  if (!cfg.fused && cfg.l1.block_n == decode.block_n &&
+      expected_tile_count(decode32.block_n) <= 0.985 * expected_tile_count(decode.block_n)) {
     if (cfg.l1.block_n == decode.block_n) cfg.l1 = decode32;
     if (cfg.l2.block_n == decode.block_n) cfg.l2 = decode32;
   }

@@ -29,8 +29,10 @@ MoeProblem qwen3_30b() { return preset_problem("qwen3-30b-a3b"); }
 TEST(Heuristics, TokenTileFollowsTokensPerExpert) {
   const MoeProblem p = deepseek_v3();  // 32 tokens of T per expert
   EXPECT_EQ(choose_moe_config(p, 1).l1.block_n, 16);
-  EXPECT_EQ(choose_moe_config(p, 320).l1.block_n, 16);  // 10 per expert: 3% need a second tile
-  EXPECT_EQ(choose_moe_config(p, 384).l1.block_n, 32);  // 12 per expert: 10%
+  EXPECT_EQ(choose_moe_config(p, 64).l1.block_n, 16);   // 32-token tiles: 0.9% fewer tiles
+  EXPECT_EQ(choose_moe_config(p, 256).l1.block_n, 32);  // the shared slice: 8 tiles, not 16
+  EXPECT_EQ(choose_moe_config(p, 256).l2.block_n, 32);
+  EXPECT_EQ(choose_moe_config(p, 384).l1.block_n, 32);  // 12 per expert: 10% need a second tile
   EXPECT_EQ(choose_moe_config(p, 512).l1.block_n, 32);
   EXPECT_EQ(choose_moe_config(p, 512).l2.block_n, 32);
   EXPECT_EQ(choose_moe_config(p, 768).l1.block_n, 32);
