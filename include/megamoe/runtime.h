@@ -60,8 +60,11 @@ struct MoeConfig {
 bool can_start_early(const MoeProblem& problem, int64_t tokens);
 
 // The heuristic: a pure function of the problem, the token count and the device's SM count
-// (printable).
-MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms = 132);
+// (printable). `fused`, where set, replaces its choice of launch (MoeTuning::fused) before the
+// tiles that depend on it are chosen: two launches may take a wider decode tile than the fused
+// launch's.
+MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms = 132,
+                            std::optional<bool> fused = std::nullopt);
 
 // Overrides of the heuristic, for tuning and tests; unset fields keep the heuristic's choice.
 // MoePlan::config() rejects an override the kernels cannot run, saying what is allowed.

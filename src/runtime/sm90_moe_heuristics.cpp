@@ -63,7 +63,7 @@ double expected_tiles(int64_t tokens, double p, int block_n) {
 
 }  // namespace
 
-MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms) {
+MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms, std::optional<bool> fused) {
   // Average rows of B per routed expert.
   const double per_expert = problem.num_experts > 0
                                 ? static_cast<double>(tokens) * problem.top_k / problem.num_experts
@@ -122,7 +122,9 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
     return E * expected_tiles(tokens, problem.top_k / E, block_n) +
            chunks * std::ceil(static_cast<double>(tokens) / block_n);
   };
-  if (cfg.can_fuse() && num_sms > 0) {
+  if (fused) {
+    cfg.fused = *fused && cfg.can_fuse();  // MoePlan::config rejects a fused launch it cannot run
+  } else if (cfg.can_fuse() && num_sms > 0) {
     const double l1_items = expected_tile_count(decode.block_n) * static_cast<double>(2 * problem.intermediate_size / 64);
     const double waves = l1_items / (static_cast<double>(num_sms) * kFusedTileCtasPerSm);
     cfg.fused = waves >= 0.6 && waves <= 4.5;

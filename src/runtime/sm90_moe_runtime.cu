@@ -256,7 +256,7 @@ MoePlan MoePlan::create(const MoeProblem& problem, const MoeTuning& tuning) {
 
 MoeConfig MoePlan::config(int64_t tokens) const {
   const MoeProblem& p = problem_;
-  MoeConfig cfg = choose_moe_config(p, tokens, num_sms_);
+  MoeConfig cfg = choose_moe_config(p, tokens, num_sms_, tuning_.fused);
   if (tuning_.fused) {
     MEGAMOE_CHECK(!*tuning_.fused || cfg.can_fuse(), kInvalidArgument,
                   "MoeTuning.fused: the fused launch is built for the 16-token tile (", kFusedTile.to_string(),

@@ -71,6 +71,11 @@ TEST(Heuristics, DecodeFusesTheGemmsWhenL1EndsInAPartialWave) {
   EXPECT_EQ(choose_moe_config(qwen3, 192, sms).l1.block_n, 16);  // fused: keeps the 16-token tile
   EXPECT_FALSE(choose_moe_config(qwen3, 256, sms).fused);  // 5.6: many experts need two tiles
   EXPECT_EQ(choose_moe_config(qwen3, 256, sms).l1.block_n, 32);  // ... so two launches take 32
+  const MoeConfig forced = choose_moe_config(qwen3, 256, sms, /*fused=*/true);  // MoeTuning::fused
+  EXPECT_TRUE(forced.fused);
+  EXPECT_EQ(forced.l1.block_n, 16);
+  EXPECT_EQ(choose_moe_config(qwen3, 192, sms, /*fused=*/false).l1.block_n, 32);
+  EXPECT_FALSE(choose_moe_config(qwen3, 1024, sms, /*fused=*/true).fused);  // no fused 128-token kernel
   EXPECT_FALSE(choose_moe_config(qwen3, 1024, sms).fused);  // 48-token tile: no fused kernel
   EXPECT_FALSE(choose_moe_config(dsv3, 4096, sms).fused);
   // Fewer SMs: the same items make more waves.

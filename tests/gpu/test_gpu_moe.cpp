@@ -199,7 +199,9 @@ INSTANTIATE_TEST_SUITE_P(
 
 // DeepGEMM's rule for a fused path: bitwise equal to the unfused pipeline of the library's own
 // kernels. Deterministic mode makes both exact functions of the inputs, and the fused launch
-// changes only when an item runs, never its arithmetic.
+// changes only when an item runs, never its arithmetic. At T=40 the two launches run the
+// 32-token tile (the heuristic's, for the shared slice's 2 tiles instead of 3): a token's column
+// is the same bits whatever the wgmma's width.
 TEST(GpuMoe, FusedIsBitwiseTheTwoLaunchPipeline) {
   MEGAMOE_REQUIRE_GPU();
   const unsigned seed = fresh_seed();
