@@ -216,6 +216,7 @@ TEST(GpuMoe, FusedIsBitwiseTheTwoLaunchPipeline) {
     fused.fused = true;
     unfused.fused = false;
     GpuMoe a(layer, T, true, fused), b(layer, T, true, unfused);
+    ASSERT_EQ(b.plan.config(T).l1.block_n, T == 40 ? 32 : 16) << b.plan.describe(T);
     const auto got = a.run(hidden, topk);
     ASSERT_EQ(got, b.run(hidden, topk)) << "T=" << T;
     for (int rep = 0; rep < 3; ++rep) ASSERT_EQ(a.run(hidden, topk), got) << "T=" << T << " repetition " << rep;
