@@ -2,8 +2,9 @@
 //
 // The tile's N side is tokens. Few tokens per expert (decode) means the layer streams weights
 // and the mainloop is bound by the decode's instructions: a narrow N (16, 32 or 48, the
-// narrowest that holds an average expert's tokens) keeps the accumulator and the B stage small
-// so 6-8 stage pipelines and 4-6 CTAs per SM run. Many tokens per expert (prefill): two
+// narrowest that holds an average expert's tokens, or 32 where it means fewer tiles, i.e. fewer
+// weight decodes) keeps the accumulator and the B stage small so 6-8 stage pipelines and 4-6
+// CTAs per SM run. Many tokens per expert (prefill): two
 // consumer warpgroups share a 128-token B tile, halving the B traffic per decoded weight and
 // giving the tensor cores long wgmma runs. Within a tile, each work item runs at the narrowest
 // token width that holds its slots (the kernel's choice, not this heuristic's).
