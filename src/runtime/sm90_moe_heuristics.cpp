@@ -130,17 +130,18 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
     const double waves = l1_items / (static_cast<double>(num_sms) * kFusedTileCtasPerSm);
     cfg.fused = waves >= 0.6 && waves <= 4.5;
   }
-  // Two launches: the 32-token tile wherever it decodes at least 1.5% fewer weights than the
+  // Two launches: the 32-token tile wherever it decodes at least 1% fewer weights than the
   // 16-token tile, i.e. fewer tiles: an expert past 16 tokens (from 12 per expert on, over 10% of
   // them), and the shared slices, which take every token (DeepSeek-V3 T=256: 16 tiles per slice
   // instead of 8). An item of <= 16 tokens still runs at width 16 in the 32-token tile. H100,
   // interleaved, two rounds each (us, 16 -> 32): DeepSeek-V3 T=128 2154/2154 -> 2135/2134, T=192
   // 2232/2233 -> 2204/2204, T=256 2287/2284 -> 2248/2245, T=320 2332/2331 -> 2283/2286, T=384
   // 2396/2387 -> 2323/2328, T=512 2786/2819 -> 2406/2407; Qwen3-30B T=256 173.9/174.3 ->
-  // 164.6/164.6. Fused, the 16-token tile stays ahead (Qwen3-30B T=192, 12 per expert: 152.4
-  // fused vs 159.2).
+  // 164.6/164.6; Kimi-K2 T=128 (1.1% fewer tiles) 2925/2926 -> 2909/2910, T=256 3302/3302 ->
+  // 3256/3258; DeepSeek-V4-Flash T=128 1191/1191 -> 1183/1183. Fused, the 16-token tile stays
+  // ahead (Qwen3-30B T=192, 12 per expert: 152.4 fused vs 159.2).
   if (!cfg.fused && cfg.l1.block_n == decode.block_n &&
-      expected_tile_count(decode32.block_n) <= 0.985 * expected_tile_count(decode.block_n)) {
+      expected_tile_count(decode32.block_n) <= 0.99 * expected_tile_count(decode.block_n)) {
     if (cfg.l1.block_n == decode.block_n) cfg.l1 = decode32;
     if (cfg.l2.block_n == decode.block_n) cfg.l2 = decode32;
   }
