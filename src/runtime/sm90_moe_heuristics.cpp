@@ -95,23 +95,6 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   MoeConfig cfg;
   cfg.l1 = pick(2 * problem.intermediate_size / 64);
   cfg.l2 = pick(problem.hidden_size / 64);
-  // One token: L2 has only (k + shared) * H/64 tiles of I/64 chunks, fewer than two per CTA slot
-  // (DeepSeek-V3: 1008 for 660 slots on an H200), so two K slices per tile give the CTAs twice
-  // as many, shorter, items. From two tokens on, the work items claimed from the counter already
-  // balance the CTAs and a split only adds per-item overhead (H200, us, 1 vs 2 slices:
-  // DeepSeek-V3 T=1 97.5 / 94.6, T=2 146 / 150, T=16 751 / 776, T=64 1574 / 1634; Qwen3-30B T=1
-  // 29.8 / 28.0, T=2 34.5 / 37.1). The slices add into the fp32 accumulator, so the fixed-order
-  // (deterministic) combine keeps whole tiles.
-  if (tokens == 1 && !problem.deterministic && problem.intermediate_size % 128 == 0) {
-    cfg.l2.k_splits = 2;
-  }
-  // Decode: both GEMMs in one persistent launch, where L1 ends in a partial wave of items that
-  // L2 items can fill (they start as soon as their expert's L1 items are done). Measured on
-  // H200 against two launches (docs/perf/2026-11-21-h200-w4a16-v6.md), in waves of L1 items
-  // over the 16-token tile's CTA slots: DeepSeek-V3 T=2 (1.4 waves) 158 -> 144 us, T=4 (2.6)
-  // 236 -> 228, Qwen3-30B T=4 (0.9) 46.9 -> 45.4, T=16 (2.5) 93.0 -> 87.7, T=64 (3.9) 124.4 ->
-  // 121.6; but Qwen3 T=2 (0.5 waves: no tail to fill) 31.6 -> 33.3, DeepSeek-V3 T=16 (8 waves)
-  // 688 -> 696 and T=64 1447 -> 1474.
   // Expected token tiles of width block_n per 64-row block (each decodes its weights once) under
   // uniform routing: an expert's token count is binomial, and each shared slice holds every
   // token. Counting one tile per expert with tokens put Qwen3-30B T=256 (16 tokens per expert:
@@ -123,10 +106,21 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
     return E * expected_tiles(tokens, problem.top_k / E, block_n) +
            chunks * std::ceil(static_cast<double>(tokens) / block_n);
   };
+  // Both GEMMs run the 16-token tile up to 16 tokens per expert (pick): its expected tiles decide
+  // the launch and whether two launches take the 32-token tile.
+  const bool decode_tile = cfg.can_fuse();
+  const double decode_tiles = decode_tile ? expected_tile_count(decode.block_n) : 0.0;
+  // Decode: both GEMMs in one persistent launch, where L1 ends in a partial wave of items that
+  // L2 items can fill (they start as soon as their expert's L1 items are done). Measured on
+  // H200 against two launches (docs/perf/2026-11-21-h200-w4a16-v6.md), in waves of L1 items
+  // over the 16-token tile's CTA slots: DeepSeek-V3 T=2 (1.4 waves) 158 -> 144 us, T=4 (2.6)
+  // 236 -> 228, Qwen3-30B T=4 (0.9) 46.9 -> 45.4, T=16 (2.5) 93.0 -> 87.7, T=64 (3.9) 124.4 ->
+  // 121.6; but Qwen3 T=2 (0.5 waves: no tail to fill) 31.6 -> 33.3, DeepSeek-V3 T=16 (8 waves)
+  // 688 -> 696 and T=64 1447 -> 1474.
   if (fused) {
-    cfg.fused = *fused && cfg.can_fuse();  // MoePlan::config rejects a fused launch it cannot run
-  } else if (cfg.can_fuse() && num_sms > 0) {
-    const double l1_items = expected_tile_count(decode.block_n) * static_cast<double>(2 * problem.intermediate_size / 64);
+    cfg.fused = *fused && decode_tile;  // MoePlan::config rejects a fused launch it cannot run
+  } else if (decode_tile && num_sms > 0) {
+    const double l1_items = decode_tiles * static_cast<double>(2 * problem.intermediate_size / 64);
     const double waves = l1_items / (static_cast<double>(num_sms) * kFusedTileCtasPerSm);
     cfg.fused = waves >= 0.6 && waves <= 4.5;
   }
@@ -140,10 +134,19 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   // 164.6/164.6; Kimi-K2 T=128 (1.1% fewer tiles) 2925/2926 -> 2909/2910, T=256 3302/3302 ->
   // 3256/3258; DeepSeek-V4-Flash T=128 1191/1191 -> 1183/1183. Fused, the 16-token tile stays
   // ahead (Qwen3-30B T=192, 12 per expert: 152.4 fused vs 159.2).
-  if (!cfg.fused && cfg.l1.block_n == decode.block_n &&
-      expected_tile_count(decode32.block_n) <= 0.99 * expected_tile_count(decode.block_n)) {
-    if (cfg.l1.block_n == decode.block_n) cfg.l1 = decode32;
-    if (cfg.l2.block_n == decode.block_n) cfg.l2 = decode32;
+  if (decode_tile && !cfg.fused && expected_tile_count(decode32.block_n) <= 0.99 * decode_tiles) {
+    cfg.l1 = decode32;
+    cfg.l2 = decode32;
+  }
+  // One token: L2 has only (k + shared) * H/64 tiles of I/64 chunks, fewer than two per CTA slot
+  // (DeepSeek-V3: 1008 for 660 slots on an H200), so two K slices per tile give the CTAs twice
+  // as many, shorter, items. From two tokens on, the work items claimed from the counter already
+  // balance the CTAs and a split only adds per-item overhead (H200, us, 1 vs 2 slices:
+  // DeepSeek-V3 T=1 97.5 / 94.6, T=2 146 / 150, T=16 751 / 776, T=64 1574 / 1634; Qwen3-30B T=1
+  // 29.8 / 28.0, T=2 34.5 / 37.1). The slices add into the fp32 accumulator, so the fixed-order
+  // (deterministic) combine keeps whole tiles.
+  if (tokens == 1 && !problem.deterministic && problem.intermediate_size % 128 == 0) {
+    cfg.l2.k_splits = 2;
   }
   // A tiny batch's L1 CTAs start their first items while the dispatch kernel runs: its ~4.4 us
   // and the hand-off leave the critical path (sm90_w4a16_grouped_gemm.cuh).

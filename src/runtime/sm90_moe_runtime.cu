@@ -256,13 +256,11 @@ MoePlan MoePlan::create(const MoeProblem& problem, const MoeTuning& tuning) {
 
 MoeConfig MoePlan::config(int64_t tokens) const {
   const MoeProblem& p = problem_;
+  // The heuristic applies tuning_.fused itself (its tile choice depends on the launch).
   MoeConfig cfg = choose_moe_config(p, tokens, num_sms_, tuning_.fused);
-  if (tuning_.fused) {
-    MEGAMOE_CHECK(!*tuning_.fused || cfg.can_fuse(), kInvalidArgument,
-                  "MoeTuning.fused: the fused launch is built for the 16-token tile (", kFusedTile.to_string(),
-                  ") in both GEMMs; at T=", tokens, " the heuristic picks ", cfg.to_string());
-    cfg.fused = *tuning_.fused;
-  }
+  MEGAMOE_CHECK(!tuning_.fused || !*tuning_.fused || cfg.fused, kInvalidArgument,
+                "MoeTuning.fused: the fused launch is built for the 16-token tile (", kFusedTile.to_string(),
+                ") in both GEMMs; at T=", tokens, " the heuristic picks ", cfg.to_string());
   if (tuning_.early_start) {
     MEGAMOE_CHECK(!*tuning_.early_start || can_start_early(p, tokens), kInvalidArgument,
                   "MoeTuning.early_start: early start holds up to ", kEarlyStartMaxSelections,
