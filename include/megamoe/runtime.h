@@ -35,11 +35,15 @@ struct GemmConfig {
   int k_splits = 1;    // K slices per output tile, added atomically (L2 atomic combine only)
   std::string to_string() const;
 };
-// The 16-token decode tile: the only tile the fused L1 + L2 launch is built for.
+// The decode tiles the fused L1 + L2 launch is built for: the 16-token tile (the heuristic's
+// fused choice, and the one a forced fused launch runs) and the 32-token tile (where it decodes
+// fewer weights; see sm90_moe_heuristics.cpp).
 inline constexpr GemmConfig kFusedTile{1, 16, 8};
-// CTAs per SM of the 16-token tile's kernels (their launch bounds: <= 80 registers), which the
+inline constexpr GemmConfig kFusedTile32{1, 32, 6};
+// CTAs per SM of those tiles' kernels (their launch bounds: <= 80 and <= 96 registers), which the
 // heuristic's count of CTA slots assumes.
 inline constexpr int kFusedTileCtasPerSm = 6;
+inline constexpr int kFusedTile32CtasPerSm = 5;
 // Early start (a tiny batch's L1 CTAs compute their first work item from the top-k ids and run it
 // while the dispatch kernel still runs) holds up to this many routed selections (T * k: one per
 // lane of a warp) and slots (T * (k + shared slices)).
@@ -51,7 +55,8 @@ struct MoeConfig {
   bool fused = false;  // L1 and L2 in one persistent launch (needs can_fuse)
   bool early_start = false;  // L1's first items start before the dispatch completes (tiny T)
   std::string to_string() const;
-  // Whether both GEMMs run kFusedTile (K slices aside), so that they may run fused.
+  // Whether both GEMMs run the same fused tile, kFusedTile or kFusedTile32 (K slices aside), so
+  // that they may run fused.
   bool can_fuse() const;
 };
 
@@ -69,10 +74,11 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
 // Overrides of the heuristic, for tuning and tests; unset fields keep the heuristic's choice.
 // MoePlan::config() rejects an override the kernels cannot run, saying what is allowed.
 struct MoeTuning {
-  // The fused L1 + L2 launch (needs the 16-token tile in both GEMMs). Its CTAs wait on each
-  // other, so its grid (sized by the occupancy on every SM of the device) must be resident at
-  // once: where the process gets only part of the SMs (an MPS active-thread limit, a green
-  // context), set it to false.
+  // The fused L1 + L2 launch. true runs it on the 16-token tile up to 16 tokens per expert, and on
+  // the 32-token tile from 17 to 24 (the tile the heuristic picks there); past 24 there is no
+  // fused kernel. Its CTAs wait on each other, so its grid (sized by the occupancy on every SM of
+  // the device) must be resident at once: where the process gets only part of the SMs (an MPS
+  // active-thread limit, a green context), set it to false.
   std::optional<bool> fused;
   // Early start (only where can_start_early); false waits for the dispatch before L1's first items.
   std::optional<bool> early_start;

@@ -35,11 +35,10 @@ bool can_start_early(const MoeProblem& problem, int64_t tokens) {
 }
 
 bool MoeConfig::can_fuse() const {
-  auto is_fused_tile = [](const GemmConfig& c) {
-    return c.warpgroups == kFusedTile.warpgroups && c.block_n == kFusedTile.block_n &&
-           c.stages == kFusedTile.stages;
+  auto same_tile = [](const GemmConfig& a, const GemmConfig& b) {
+    return a.warpgroups == b.warpgroups && a.block_n == b.block_n && a.stages == b.stages;
   };
-  return is_fused_tile(l1) && is_fused_tile(l2);
+  return same_tile(l1, l2) && (same_tile(l1, kFusedTile) || same_tile(l1, kFusedTile32));
 }
 
 namespace {
@@ -72,7 +71,7 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   GemmConfig decode = kFusedTile;
   // 32-token tile at six stages: eight (6.25 KiB each) fit only 4 CTAs in shared memory, six
   // fit the 5 its registers allow (DeepSeek-V3 T=640: 2649 -> 2361 us; Qwen3 T=384: 181 -> 172).
-  GemmConfig decode32{1, 32, 6};
+  GemmConfig decode32 = kFusedTile32;
   // Six stages, not eight: eight stages of a 48-token tile (8.25 KiB each) fit only 3 CTAs in an
   // SM's shared memory, six fit 4 (DeepSeek-V3 T=1024 on H200: 3326 -> 2827 us).
   GemmConfig decode48{1, 48, 6};
@@ -108,7 +107,7 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   };
   // Both GEMMs run the 16-token tile up to 16 tokens per expert (pick): its expected tiles decide
   // the launch and whether two launches take the 32-token tile.
-  const bool decode_tile = cfg.can_fuse();
+  const bool decode_tile = cfg.can_fuse() && cfg.l1.block_n == kFusedTile.block_n;
   const double decode_tiles = decode_tile ? expected_tile_count(decode.block_n) : 0.0;
   // Decode: both GEMMs in one persistent launch, where L1 ends in a partial wave of items that
   // L2 items can fill (they start as soon as their expert's L1 items are done). Measured on
@@ -118,7 +117,9 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   // 121.6; but Qwen3 T=2 (0.5 waves: no tail to fill) 31.6 -> 33.3, DeepSeek-V3 T=16 (8 waves)
   // 688 -> 696 and T=64 1447 -> 1474.
   if (fused) {
-    cfg.fused = *fused && decode_tile;  // MoePlan::config rejects a fused launch it cannot run
+    // On the tile pick() chose (the 16-token tile keeps it: no switch below). MoePlan::config
+    // rejects a fused launch it cannot run.
+    cfg.fused = *fused && cfg.can_fuse();
   } else if (decode_tile && num_sms > 0) {
     const double l1_items = decode_tiles * static_cast<double>(2 * problem.intermediate_size / 64);
     const double waves = l1_items / (static_cast<double>(num_sms) * kFusedTileCtasPerSm);
@@ -137,6 +138,18 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   if (decode_tile && !cfg.fused && expected_tile_count(decode32.block_n) <= 0.99 * decode_tiles) {
     cfg.l1 = decode32;
     cfg.l2 = decode32;
+  }
+  // The 32-token tile fused as well, up to 4.8 waves of its L1 items over its CTA slots (5 per
+  // SM): a small layer's L1 ends in a partial wave whose idle slots L2 items fill. H100,
+  // interleaved, two rounds (us, two launches -> fused): Qwen3-30B T=224 (4.65 waves) 162.4/162.3
+  // -> 158.3/158.4, T=256 (4.7) 163.2/163.6 -> 161.2/161.8, T=320 (4.7) 169.8/170.2 ->
+  // 167.0/167.1, T=384 (4.9) 174.6/175.9 -> 174.2/174.6. At many waves the launch between the
+  // GEMMs is a small part of the layer and fused runs slower (DeepSeek-V3 T=256, 25 waves:
+  // 2246.7/2243.4 -> 2256.0/2255.5; T=512 2410.2/2400.0 -> 2429.6/2428.4).
+  if (!fused && !cfg.fused && num_sms > 0 && cfg.can_fuse() && cfg.l1.block_n == kFusedTile32.block_n) {
+    const double l1_items = expected_tile_count(decode32.block_n) * static_cast<double>(2 * problem.intermediate_size / 64);
+    const double waves = l1_items / (static_cast<double>(num_sms) * kFusedTile32CtasPerSm);
+    cfg.fused = waves >= 0.6 && waves <= 4.8;
   }
   // One token: L2 has only (k + shared) * H/64 tiles of I/64 chunks, fewer than two per CTA slot
   // (DeepSeek-V3: 1008 for 660 slots on an H200), so two K slices per tile give the CTAs twice

@@ -259,8 +259,9 @@ MoeConfig MoePlan::config(int64_t tokens) const {
   // The heuristic applies tuning_.fused itself (its tile choice depends on the launch).
   MoeConfig cfg = choose_moe_config(p, tokens, num_sms_, tuning_.fused);
   MEGAMOE_CHECK(!tuning_.fused || !*tuning_.fused || cfg.fused, kInvalidArgument,
-                "MoeTuning.fused: the fused launch is built for the 16-token tile (", kFusedTile.to_string(),
-                ") in both GEMMs; at T=", tokens, " the heuristic picks ", cfg.to_string());
+                "MoeTuning.fused: the fused launch is built for the 16- and 32-token decode tiles (",
+                kFusedTile.to_string(), ", ", kFusedTile32.to_string(), ") in both GEMMs, up to 24 tokens per expert; at T=",
+                tokens, " the heuristic picks ", cfg.to_string());
   if (tuning_.early_start) {
     MEGAMOE_CHECK(!*tuning_.early_start || can_start_early(p, tokens), kInvalidArgument,
                   "MoeTuning.early_start: early start holds up to ", kEarlyStartMaxSelections,
@@ -354,10 +355,12 @@ void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params,
   // T=1536 3685 -> 3994 us).
   static_assert(kFusedTile.warpgroups == 1 && kFusedTile.block_n == 16 && kFusedTile.stages == 8,
                 "kFusedTile is the 16-token tile instantiated below");
+  static_assert(kFusedTile32.warpgroups == 1 && kFusedTile32.block_n == 32 && kFusedTile32.stages == 6,
+                "kFusedTile32 is the 32-token tile instantiated below");
   if (c.warpgroups == 1 && c.block_n == 16 && c.stages == 8) {
     launch_gemm<kIsL1, 1, 16, 8, kFusedTileCtasPerSm>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 1 && c.block_n == 32 && c.stages == 6) {
-    launch_gemm<kIsL1, 1, 32, 6, 5>(params, num_sms, max_work, stream);
+    launch_gemm<kIsL1, 1, 32, 6, kFusedTile32CtasPerSm>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 1 && c.block_n == 48 && c.stages == 6) {
     launch_gemm<kIsL1, 1, 48, 6, 4>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 1 && c.block_n == 64 && c.stages == 6) {
@@ -370,20 +373,28 @@ void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params,
   }
 }
 
-// The fused L1 + L2 launch; instantiated for the 16-token decode tile only (MoePlan::config
-// rejects anything else).
-void launch_fused(const MoeConfig& c, const k90::W4a16FusedParams& params, int num_sms, int64_t max_work,
-                  cudaStream_t stream) {
-  MEGAMOE_CHECK(c.can_fuse(), kInternal, "no fused kernel instantiated for ", c.to_string());
-  constexpr int kWG = kFusedTile.warpgroups, kBN = kFusedTile.block_n, kStages = kFusedTile.stages;
-  using Smem = k90::W4a16SmemLayout<kWG, kBN, kStages>;
-  // As many CTAs per SM as the two-launch 16-token kernels (launch_gemm_config).
-  auto* kernel = &k90::w4a16_fused_moe_kernel<kWG, kBN, kStages, kFusedTileCtasPerSm>;
-  static const int blocks_per_sm = prepare_kernel(kernel, kWG * 128, Smem::kAllocBytes);
+template <int kBN, int kStages, int kCtasPerSm>
+void launch_fused_tile(const k90::W4a16FusedParams& params, int num_sms, int64_t max_work, cudaStream_t stream) {
+  using Smem = k90::W4a16SmemLayout<1, kBN, kStages>;
+  auto* kernel = &k90::w4a16_fused_moe_kernel<1, kBN, kStages, kCtasPerSm>;
+  static const int blocks_per_sm = prepare_kernel(kernel, 128, Smem::kAllocBytes);
   // Every CTA must be resident at once (L2 items wait for L1 items held by other CTAs): the grid
   // never exceeds the occupancy of all the device's SMs (see MoeTuning::fused for the limits).
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(int64_t{num_sms} * blocks_per_sm, max_work));
-  launch_dependent(kernel, static_cast<unsigned>(grid), kWG * 128, Smem::kAllocBytes, stream, params);
+  launch_dependent(kernel, static_cast<unsigned>(grid), 128, Smem::kAllocBytes, stream, params);
+}
+
+// The fused L1 + L2 launch; instantiated for the 16- and 32-token decode tiles, with as many CTAs
+// per SM as their two-launch kernels (launch_gemm_config). MoePlan::config rejects anything else.
+void launch_fused(const MoeConfig& c, const k90::W4a16FusedParams& params, int num_sms, int64_t max_work,
+                  cudaStream_t stream) {
+  MEGAMOE_CHECK(c.can_fuse(), kInternal, "no fused kernel instantiated for ", c.to_string());
+  if (c.l1.block_n == kFusedTile.block_n) {
+    launch_fused_tile<kFusedTile.block_n, kFusedTile.stages, kFusedTileCtasPerSm>(params, num_sms, max_work, stream);
+  } else {
+    launch_fused_tile<kFusedTile32.block_n, kFusedTile32.stages, kFusedTile32CtasPerSm>(params, num_sms, max_work,
+                                                                                          stream);
+  }
 }
 
 }  // namespace

@@ -69,17 +69,47 @@ TEST(Heuristics, DecodeFusesTheGemmsWhenL1EndsInAPartialWave) {
   EXPECT_TRUE(choose_moe_config(qwen3, 16, sms).fused);
   EXPECT_TRUE(choose_moe_config(qwen3, 192, sms).fused);   // 4.2 waves of expected tiles
   EXPECT_EQ(choose_moe_config(qwen3, 192, sms).l1.block_n, 16);  // fused: keeps the 16-token tile
-  EXPECT_FALSE(choose_moe_config(qwen3, 256, sms).fused);  // 5.6: many experts need two tiles
-  EXPECT_EQ(choose_moe_config(qwen3, 256, sms).l1.block_n, 32);  // ... so two launches take 32
+  // 5.6 waves of the 16-token tile: many experts need two tiles, so the 32-token tile, whose
+  // items make 4.7 waves of its 660 slots: fused up to 4.8.
+  for (int T : {224, 256, 320, 352}) {
+    const MoeConfig c = choose_moe_config(qwen3, T, sms);
+    EXPECT_TRUE(c.fused) << T;
+    EXPECT_EQ(c.l1.block_n, 32) << T;
+    EXPECT_EQ(c.l2.block_n, 32) << T;
+  }
+  EXPECT_FALSE(choose_moe_config(qwen3, 384, sms).fused);  // 4.85 waves
+  EXPECT_EQ(choose_moe_config(qwen3, 384, sms).l1.block_n, 32);
+  EXPECT_FALSE(choose_moe_config(dsv3, 256, sms).fused);  // 32-token tile, 26 waves
+  EXPECT_EQ(choose_moe_config(dsv3, 256, sms).l1.block_n, 32);
   const MoeConfig forced = choose_moe_config(qwen3, 256, sms, /*fused=*/true);  // MoeTuning::fused
   EXPECT_TRUE(forced.fused);
-  EXPECT_EQ(forced.l1.block_n, 16);
+  EXPECT_EQ(forced.l1.block_n, 16);  // a forced fused launch keeps the 16-token tile up to 16 per expert
+  const MoeConfig forced32 = choose_moe_config(qwen3, 384, sms, /*fused=*/true);  // 24 per expert
+  EXPECT_TRUE(forced32.fused);
+  EXPECT_EQ(forced32.l1.block_n, 32);
+  EXPECT_FALSE(choose_moe_config(qwen3, 256, sms, /*fused=*/false).fused);
+  EXPECT_EQ(choose_moe_config(qwen3, 256, sms, /*fused=*/false).l1.block_n, 32);
   EXPECT_EQ(choose_moe_config(qwen3, 192, sms, /*fused=*/false).l1.block_n, 32);
   EXPECT_FALSE(choose_moe_config(qwen3, 1024, sms, /*fused=*/true).fused);  // no fused 128-token kernel
+  EXPECT_FALSE(choose_moe_config(qwen3, 448, sms, /*fused=*/true).fused);   // nor a fused 48-token one
   EXPECT_FALSE(choose_moe_config(qwen3, 1024, sms).fused);  // 48-token tile: no fused kernel
   EXPECT_FALSE(choose_moe_config(dsv3, 4096, sms).fused);
   // Fewer SMs: the same items make more waves.
   EXPECT_FALSE(choose_moe_config(dsv3, 4, 60).fused);
+}
+
+TEST(Heuristics, OnlyTheDecodeTilesFuse) {
+  MoeConfig c;
+  c.l1 = c.l2 = kFusedTile;
+  EXPECT_TRUE(c.can_fuse());
+  c.l1 = c.l2 = kFusedTile32;
+  EXPECT_TRUE(c.can_fuse());
+  c.l2.k_splits = 2;  // K slices aside
+  EXPECT_TRUE(c.can_fuse());
+  c.l2 = kFusedTile;  // one tile for both GEMMs
+  EXPECT_FALSE(c.can_fuse());
+  c.l1 = c.l2 = GemmConfig{1, 48, 6};
+  EXPECT_FALSE(c.can_fuse());
 }
 
 TEST(Heuristics, TinyBatchesStartEarly) {

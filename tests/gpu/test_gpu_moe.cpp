@@ -117,6 +117,9 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"shared_expert_2x", 256, 64, 8, 2, 40, 128},
         Case{"swiglu_clamp", 256, 128, 8, 2, 64, 0, 0.25f},
         Case{"deepseek_v3_shape", 7168, 2048, 4, 2, 3, 2048},
+        // Qwen3-30B's E, k and I at T=256 (16 tokens per expert): on 132 SMs the heuristic's
+        // fused launch on the 32-token tile.
+        Case{"qwen3_like_T256", 256, 768, 128, 8, 256},
         Case{"deepseek_v4_flash_shape", 4096, 2048, 4, 2, 3, 2048, 10.0f},
         Case{"qwen3_235b_shape", 4096, 1536, 8, 8, 5},
         Case{"qwen3_30b_shape", 2048, 768, 16, 8, 64},
@@ -194,14 +197,21 @@ INSTANTIATE_TEST_SUITE_P(
         TuningCase{Case{"unfused_early_64_slots", 256, 64, 16, 8, 4, 512}, false},
         // 32 tokens on one expert: two n-tiles, so first items with n_tile = 1.
         TuningCase{Case{"fused_early_two_n_tiles", 192, 64, 4, 1, 32, 0, std::nullopt, 2}, true},
-        TuningCase{Case{"unfused_early_two_n_tiles", 192, 64, 4, 1, 32, 0, std::nullopt, 2}, false}),
+        TuningCase{Case{"unfused_early_two_n_tiles", 192, 64, 4, 1, 32, 0, std::nullopt, 2}, false},
+        // 17-24 tokens per expert: the fused launch on the 32-token tile; at 24 per expert some
+        // experts pass 32 tokens (two n-tiles), and the shared slices hold 96 (three).
+        TuningCase{Case{"fused32_T80", 256, 128, 8, 2, 80}, true},
+        TuningCase{Case{"fused32_T96_shared", 256, 128, 8, 2, 96, 256}, true},
+        TuningCase{Case{"fused32_swiglu_clamp", 256, 128, 8, 2, 72, 0, 0.25f}, true},
+        TuningCase{Case{"unfused32_T96_shared", 256, 128, 8, 2, 96, 256}, false}),
     [](const ::testing::TestParamInfo<TuningCase>& info) { return std::string(info.param.c.name); });
 
 // DeepGEMM's rule for a fused path: bitwise equal to the unfused pipeline of the library's own
 // kernels. Deterministic mode makes both exact functions of the inputs, and the fused launch
 // changes only when an item runs, never its arithmetic. At T=40 the two launches run the
-// 32-token tile (the heuristic's, for the shared slice's 2 tiles instead of 3): a token's column
-// is the same bits whatever the wgmma's width.
+// 32-token tile (the heuristic's, for the shared slice's 2 tiles instead of 3) and the fused
+// launch the 16-token one: a token's column is the same bits whatever the wgmma's width. At T=80
+// (20 tokens per expert) both run the 32-token tile.
 TEST(GpuMoe, FusedIsBitwiseTheTwoLaunchPipeline) {
   MEGAMOE_REQUIRE_GPU();
   const unsigned seed = fresh_seed();
@@ -209,14 +219,16 @@ TEST(GpuMoe, FusedIsBitwiseTheTwoLaunchPipeline) {
   std::mt19937 rng(seed);
   const int64_t H = 512;
   const MoeLayer layer = testing::random_layer(rng, H, 256, 16, 4, 256);
-  for (int64_t T : {1, 11, 40}) {
+  for (int64_t T : {1, 11, 40, 80}) {
     const auto hidden = testing::random_hidden(rng, T, H);
     const auto topk = testing::random_topk(rng, T, 16, 4);
     MoeTuning fused, unfused;
     fused.fused = true;
     unfused.fused = false;
     GpuMoe a(layer, T, true, fused), b(layer, T, true, unfused);
-    ASSERT_EQ(b.plan.config(T).l1.block_n, T == 40 ? 32 : 16) << b.plan.describe(T);
+    ASSERT_TRUE(a.plan.config(T).fused) << a.plan.describe(T);
+    ASSERT_EQ(a.plan.config(T).l1.block_n, T == 80 ? 32 : 16) << a.plan.describe(T);
+    ASSERT_EQ(b.plan.config(T).l1.block_n, T >= 40 ? 32 : 16) << b.plan.describe(T);
     const auto got = a.run(hidden, topk);
     ASSERT_EQ(got, b.run(hidden, topk)) << "T=" << T;
     for (int rep = 0; rep < 3; ++rep) ASSERT_EQ(a.run(hidden, topk), got) << "T=" << T << " repetition " << rep;
@@ -225,7 +237,8 @@ TEST(GpuMoe, FusedIsBitwiseTheTwoLaunchPipeline) {
 
 // Early start changes only when L1's first items start, never the schedule or the arithmetic:
 // bitwise equal to waiting for the dispatch (deterministic mode), fused and not, with a shared
-// expert, an invalid id, every token on one expert, and the 32-token tile (one expert).
+// expert, an invalid id, every token on one expert, and the 32-token tile (one expert; fused
+// and not).
 TEST(GpuMoe, EarlyStartIsBitwiseTheWaitingPipeline) {
   MEGAMOE_REQUIRE_GPU();
   const unsigned seed = fresh_seed();
@@ -251,7 +264,7 @@ TEST(GpuMoe, EarlyStartIsBitwiseTheWaitingPipeline) {
       if (MoePlan::create(MoeProblem::from_layer(layer, s.T), {}).config(s.T).can_fuse()) {
         early.fused = waiting.fused = fused;
       } else if (fused) {
-        continue;  // the 32-token tile has no fused kernel
+        continue;  // past 24 tokens per expert: no fused kernel
       }
       GpuMoe a(layer, s.T, true, early), b(layer, s.T, true, waiting);
       ASSERT_TRUE(a.plan.config(s.T).early_start) << a.plan.describe(s.T);
@@ -270,6 +283,9 @@ TEST(GpuMoe, RejectsTuningThatCannotRun) {
   MoeTuning t;
   t.fused = true;
   EXPECT_TRUE(MoePlan::create(p, t).config(8).fused);
+  EXPECT_EQ(MoePlan::create(p, t).config(80).l1.block_n, 32);  // 20 per expert: the fused 32-token tile
+  EXPECT_TRUE(MoePlan::create(p, t).config(80).fused);
+  EXPECT_THROW(MoePlan::create(p, t).config(128), Error);  // 32 per expert: the 48-token tile, not fused
   EXPECT_THROW(MoePlan::create(p, t).config(512), Error);  // 128 tokens per expert: no fused kernel
   t.fused = false;
   EXPECT_FALSE(MoePlan::create(p, t).config(8).fused);
