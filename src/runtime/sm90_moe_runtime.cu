@@ -461,7 +461,7 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   d.zero_first = dispatch_zeroes ? at<float>(ws, L.out_acc) : nullptr;
   d.zero_count = dispatch_zeroes ? T * H : 0;
   if (selections <= k90::kDispatchSingleCtaItems) {
-    k90::moe_dispatch_kernel<<<1, k90::kDispatchThreads, 0, stream>>>(d);
+    k90::moe_dispatch_kernel<<<1, k90::kDispatchThreads, k90::kDispatchStageBytes, stream>>>(d);
     check_cuda(cudaGetLastError(), "moe_dispatch_kernel launch");
   } else {
     // At least kDispatchThreads selections per CTA, whole tokens, no empty CTA.

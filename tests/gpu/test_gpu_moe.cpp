@@ -144,6 +144,8 @@ INSTANTIATE_TEST_SUITE_P(
         // tokens, the last one of 10.
         Case{"dispatch_just_past_one_cta", 128, 64, 16, 2, 2049},
         Case{"dispatch_shared_expert", 128, 64, 16, 4, 1500, 128},
+        // 2400 selections: the single-CTA dispatch stages the routed slots, then the shared ones.
+        Case{"dispatch_staged_shared_expert", 128, 64, 16, 4, 600, 128},
         Case{"dispatch_all_on_one_expert", 128, 64, 8, 1, 5000, 0, std::nullopt, 3},
         Case{"dispatch_127_ctas", 64, 64, 32, 16, 8200}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
@@ -407,8 +409,10 @@ TEST(GpuMoe, AllExpertIdsInvalidGivesZeros) {
 // CTA's tokens (T * k = 8400: 9 CTAs of 234 tokens, the last one of 228).
 TEST(GpuMoe, InvalidExpertIdsAreCountedAndSkippedAtLargeT) {
   MEGAMOE_REQUIRE_GPU();
-  constexpr int64_t T = 2100;
-  check_invalid_ids_skipped(/*E=*/8, /*k=*/4, T, {1, 4 * 1000 + 2, 4 * (T - 1) + 3}, {8 /* == E */, -7, 1 << 30});
+  // 2800 selections: the single-CTA dispatch, which stages the slots; 8400: the multi-CTA pair.
+  for (int64_t T : {700, 2100}) {
+    check_invalid_ids_skipped(/*E=*/8, /*k=*/4, T, {1, 4 * 500 + 2, static_cast<size_t>(4 * (T - 1) + 3)}, {8 /* == E */, -7, 1 << 30});
+  }
 }
 
 TEST(GpuMoe, RejectsBadProblems) {
