@@ -156,12 +156,20 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   }
   // One token: L2 has only (k + shared) * H/64 tiles of I/64 chunks, fewer than two per CTA slot
   // (DeepSeek-V3: 1008 for 660 slots on an H200), so two K slices per tile give the CTAs twice
-  // as many, shorter, items. From two tokens on, the work items claimed from the counter already
-  // balance the CTAs and a split only adds per-item overhead (H200, us, 1 vs 2 slices:
-  // DeepSeek-V3 T=1 97.5 / 94.6, T=2 146 / 150, T=16 751 / 776, T=64 1574 / 1634; Qwen3-30B T=1
-  // 29.8 / 28.0, T=2 34.5 / 37.1). The slices add into the fp32 accumulator, so the fixed-order
+  // as many, shorter, items. The slices add into the fp32 accumulator, so the fixed-order
   // (deterministic) combine keeps whole tiles.
-  if (tokens == 1 && !problem.deterministic && problem.intermediate_size % 128 == 0) {
+  //
+  // Up to early start's batch size (T * k <= 32), long L2 items split as well where each slice
+  // keeps at least 16 chunks (I >= 2048): the layer ends in a tail of L2 items on fewer and fewer
+  // CTAs, and halving the items halves it. H100, interleaved, two rounds (us, 1 -> 2 slices):
+  // DeepSeek-V3 T=2 159.7/159.6 -> 158.0/159.5, T=3 207.5/207.7 -> 205.5/205.8, T=4
+  // 270.8/271.0 -> 268.7/269.0. With short items a split adds more per-item cost than it saves
+  // (Qwen3-30B, 6-chunk slices: T=2 32.7/32.6 -> 33.1/32.8, T=4 44.4/44.4 -> 45.1/45.0), and from
+  // 8 or more items per CTA slot the claimed items balance the CTAs anyway (H200, us, 1 vs 2
+  // slices: DeepSeek-V3 T=16 751 / 776, T=64 1574 / 1634).
+  const bool long_l2_items = problem.intermediate_size / 64 / 2 >= 16;
+  if ((tokens == 1 || (long_l2_items && can_start_early(problem, tokens))) && !problem.deterministic &&
+      problem.intermediate_size % 128 == 0) {
     cfg.l2.k_splits = 2;
   }
   // A tiny batch's L1 CTAs start their first items while the dispatch kernel runs: its ~4.4 us

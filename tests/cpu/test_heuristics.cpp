@@ -43,16 +43,22 @@ TEST(Heuristics, TokenTileFollowsTokensPerExpert) {
   EXPECT_EQ(prefill.warpgroups, 2);
 }
 
-TEST(Heuristics, L2SplitsKOnlyForASingleToken) {
+TEST(Heuristics, L2SplitsKForTinyBatches) {
   const MoeProblem dsv3 = deepseek_v3();
   EXPECT_EQ(choose_moe_config(dsv3, 1).l2.k_splits, 2);
   EXPECT_EQ(choose_moe_config(qwen3_30b(), 1).l2.k_splits, 2);
-  EXPECT_EQ(choose_moe_config(dsv3, 2).l2.k_splits, 1);
+  // Long L2 items (I = 2048: 16 chunks per slice) up to early start's 32 selections.
+  EXPECT_EQ(choose_moe_config(dsv3, 2).l2.k_splits, 2);
+  EXPECT_EQ(choose_moe_config(dsv3, 4).l2.k_splits, 2);
+  EXPECT_EQ(choose_moe_config(dsv3, 5).l2.k_splits, 1);
+  EXPECT_EQ(choose_moe_config(qwen3_30b(), 2).l2.k_splits, 1);  // I = 768: 6-chunk slices
+  EXPECT_EQ(choose_moe_config(qwen3_30b(), 4).l2.k_splits, 1);
   EXPECT_EQ(choose_moe_config(dsv3, 64).l2.k_splits, 1);
   EXPECT_EQ(choose_moe_config(dsv3, 768).l2.k_splits, 1);
   MoeProblem deterministic = dsv3;
   deterministic.deterministic = true;  // the fixed-order combine keeps whole tiles
   EXPECT_EQ(choose_moe_config(deterministic, 1).l2.k_splits, 1);
+  EXPECT_EQ(choose_moe_config(deterministic, 4).l2.k_splits, 1);
   MoeProblem odd_slices = dsv3;
   odd_slices.intermediate_size = 2048 + 64;  // I/64 odd: no even split
   EXPECT_EQ(choose_moe_config(odd_slices, 1).l2.k_splits, 1);
