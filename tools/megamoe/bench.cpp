@@ -29,7 +29,7 @@ Command add_bench_command(CLI::App& parent) {
   app->add_flag("!--no-baseline", opt->baseline, "skip the bf16 cuBLAS baseline");
   app->add_flag("--deterministic", opt->deterministic, "fixed-order combine");
   auto fused = std::make_shared<std::string>();
-  app->add_option("--fused", *fused, "override the heuristic: the fused L1 + L2 launch (decode tile only)")
+  app->add_option("--fused", *fused, "override the heuristic: the fused L1 + L2 launch (16- and 32-token decode tiles: up to 24 tokens per expert)")
       ->check(CLI::IsMember({"on", "off"}));
   auto early_start = std::make_shared<std::string>();
   app->add_option("--early-start", *early_start,
