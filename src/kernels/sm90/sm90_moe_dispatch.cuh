@@ -180,14 +180,23 @@ __device__ __forceinline__ void count_selection(const DispatchParams& p, int32_t
   }
 }
 
-// Stores selection i (token i / k, rank i % k) at `slot`; slot -1 is an id outside [0, E)
-// (skipped by the combine, counted in invalid_ids).
-__device__ __forceinline__ void store_selection(const DispatchParams& p, int64_t i, int32_t slot, float weight) {
+// Where a slot's token and routing weight go: the workspace's slot_token / slot_weight, or the
+// single-CTA kernel's staging copy of them in shared memory.
+struct SlotArrays {
+  int32_t* token;
+  float* weight;
+};
+__device__ __forceinline__ SlotArrays workspace_slots(const DispatchParams& p) { return {p.slot_token, p.slot_weight}; }
+
+// Stores selection i (token i / k, rank i % k) at `slot` of `out`; slot -1 is an id outside
+// [0, E) (skipped by the combine, counted in invalid_ids).
+__device__ __forceinline__ void store_selection(const DispatchParams& p, int64_t i, int32_t slot, float weight,
+                                                SlotArrays out) {
   const int64_t t = i / p.top_k;
   const int64_t j = i % p.top_k;
   if (slot >= 0) {
-    p.slot_token[slot] = static_cast<int32_t>(t);
-    p.slot_weight[slot] = weight;
+    out.token[slot] = static_cast<int32_t>(t);
+    out.weight[slot] = weight;
   }
   p.token_slot[t * (p.top_k + p.shared_chunks) + j] = slot;
 }
@@ -195,9 +204,9 @@ __device__ __forceinline__ void store_selection(const DispatchParams& p, int64_t
 // Places selection i of expert e at the next slot of e's cursor (slot order within an expert:
 // whatever the atomics give).
 __device__ __forceinline__ void place_selection(const DispatchParams& p, int64_t i, int32_t e, float weight,
-                                                int32_t* cursor) {
+                                                int32_t* cursor, SlotArrays out) {
   const int32_t slot = e >= 0 && e < p.num_experts ? atomicAdd(&cursor[e], 1) : -1;
-  store_selection(p, i, slot, weight);
+  store_selection(p, i, slot, weight, out);
 }
 
 // Shared slices of tokens [t0, t1): slot = offset + token, in token order; offsets[E + c] is
@@ -285,26 +294,23 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(Dispa
     // order.
     if (tid < 32) {
       const TinySelection s = tiny_select(cached_id[0], tid < items, p.num_experts);
-      if (tid < items) dispatch_detail::store_selection(p, tid, s.valid ? cursor[s.expert] + s.rank : -1, cached_weight[0]);
+      if (tid < items) {
+        dispatch_detail::store_selection(p, tid, s.valid ? cursor[s.expert] + s.rank : -1, cached_weight[0],
+                                         dispatch_detail::workspace_slots(p));
+      }
     }
   } else if (items <= kDispatchThreads) {
     // One selection per thread: one round of scattered stores; staging them measured slower
     // (Qwen3-30B T=8, 64 selections: 70.5 -> 71.1 us; neutral at 512).
-    if (tid < items) dispatch_detail::place_selection(p, tid, cached_id[0], cached_weight[0], cursor);
+    if (tid < items) {
+      dispatch_detail::place_selection(p, tid, cached_id[0], cached_weight[0], cursor, dispatch_detail::workspace_slots(p));
+    }
   } else {
     // The scan's last barrier: counts[] is dead, the staging area free.
 #pragma unroll
     for (int j = 0; j < kDispatchCachedPerThread; ++j) {
       const int64_t i = tid + static_cast<int64_t>(j) * kDispatchThreads;
-      if (i < items) {
-        const int32_t e = cached_id[j];
-        const int32_t slot = e >= 0 && e < p.num_experts ? atomicAdd(&cursor[e], 1) : -1;
-        if (slot >= 0) {
-          stage_token[slot] = static_cast<int32_t>(i / p.top_k);
-          stage_weight[slot] = cached_weight[j];
-        }
-        p.token_slot[i / p.top_k * (p.top_k + p.shared_chunks) + i % p.top_k] = slot;
-      }
+      if (i < items) dispatch_detail::place_selection(p, i, cached_id[j], cached_weight[j], cursor, {stage_token, stage_weight});
     }
     __syncthreads();  // every routed slot staged; cursor[E - 1] is the end of the routed slots
     const int routed_slots = p.num_experts > 0 ? cursor[p.num_experts - 1] : 0;
@@ -395,7 +401,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_place_kernel
   const int t1 = min(p.tokens, t0 + p.tokens_per_cta);
   const int64_t end = static_cast<int64_t>(t1) * p.top_k;
   for (int64_t i = static_cast<int64_t>(t0) * p.top_k + tid; i < end; i += kDispatchThreads) {
-    dispatch_detail::place_selection(p, i, p.topk_ids[i], p.topk_weights[i], cursor);
+    dispatch_detail::place_selection(p, i, p.topk_ids[i], p.topk_weights[i], cursor, dispatch_detail::workspace_slots(p));
   }
   // The shared slices' cursors were not advanced: they hold the slices' offsets.
   dispatch_detail::place_shared(p, t0, t1, cursor);
