@@ -13,6 +13,7 @@
 // fill the wave's idle slots.
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <sstream>
 
 #include "megamoe/runtime.h"
@@ -112,6 +113,13 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   // the launch and whether two launches take the 32-token tile.
   const bool decode_tile = cfg.can_fuse() && cfg.l1.block_n == kFusedTile.block_n;
   const double decode_tiles = decode_tile ? expected_tile_count(decode.block_n) : 0.0;
+  // The 32-token tile's expected tiles, summed at most once (run() calls this heuristic): both the
+  // switch to that tile and its fusion window below need them.
+  std::optional<double> decode32_tiles;
+  auto decode32_tile_count = [&] {
+    if (!decode32_tiles) decode32_tiles = expected_tile_count(decode32.block_n);
+    return *decode32_tiles;
+  };
   // Decode: both GEMMs in one persistent launch, where L1 ends in a partial wave of items that
   // L2 items can fill (they start as soon as their expert's L1 items are done). Measured on
   // H200 against two launches (docs/perf/2026-11-21-h200-w4a16-v6.md), in waves of L1 items
@@ -138,7 +146,7 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   // 164.6/164.6; Kimi-K2 T=128 (1.1% fewer tiles) 2925/2926 -> 2909/2910, T=256 3302/3302 ->
   // 3256/3258; DeepSeek-V4-Flash T=128 1191/1191 -> 1183/1183. Fused, the 16-token tile stays
   // ahead (Qwen3-30B T=192, 12 per expert: 152.4 fused vs 159.2).
-  if (decode_tile && !cfg.fused && expected_tile_count(decode32.block_n) <= 0.99 * decode_tiles) {
+  if (decode_tile && !cfg.fused && decode32_tile_count() <= 0.99 * decode_tiles) {
     cfg.l1 = decode32;
     cfg.l2 = decode32;
   }
@@ -150,7 +158,7 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   // GEMMs is a small part of the layer and fused runs slower (DeepSeek-V3 T=256, 25 waves:
   // 2246.7/2243.4 -> 2256.0/2255.5; T=512 2410.2/2400.0 -> 2429.6/2428.4).
   if (!fused && !cfg.fused && num_sms > 0 && cfg.can_fuse() && cfg.l1.block_n == kFusedTile32.block_n) {
-    const double l1_items = expected_tile_count(decode32.block_n) * static_cast<double>(2 * problem.intermediate_size / 64);
+    const double l1_items = decode32_tile_count() * static_cast<double>(2 * problem.intermediate_size / 64);
     const double waves = l1_items / (static_cast<double>(num_sms) * kFusedTile32CtasPerSm);
     cfg.fused = waves >= 0.6 && waves <= 4.8;
   }
