@@ -460,6 +460,9 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   const bool dispatch_zeroes = cfg.early_start && !p.deterministic;
   d.zero_first = dispatch_zeroes ? at<float>(ws, L.out_acc) : nullptr;
   d.zero_count = dispatch_zeroes ? T * H : 0;
+  // The dispatch is launched without programmatic serialization: it starts once everything
+  // before it on the stream has completed. The L1 GEMM relies on it to zero the combine
+  // accumulator before its own dependency wait (the previous run's combine reads it).
   if (selections <= k90::kDispatchSingleCtaItems) {
     k90::moe_dispatch_kernel<<<1, k90::kDispatchThreads, k90::kDispatchStageBytes, stream>>>(d);
     check_cuda(cudaGetLastError(), "moe_dispatch_kernel launch");
@@ -541,6 +544,14 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   g2.zero_first = nullptr;
   g2.zero_count = 0;
   g2.topk_ids = nullptr;
+  // The kernels' pre-wait prefetch of their first items (prefetch_guessed_item) guesses that every
+  // routed expert holds T * k / E tokens. Early start knows the L1 items exactly instead.
+  auto guess_n_tiles = [&](const GemmConfig& c) -> int32_t {
+    const double per_expert = static_cast<double>(T) * p.top_k / static_cast<double>(p.num_experts);
+    return static_cast<int32_t>(std::max<int64_t>(1, std::llround(per_expert / c.block_n)));
+  };
+  g1.guess_n_tiles = cfg.early_start ? 0 : guess_n_tiles(cfg.l1);
+  g2.guess_n_tiles = guess_n_tiles(cfg.l2);
   const int64_t l1_work = max_work(cfg.l1, d.l1_m_tiles), l2_work = max_work(cfg.l2, d.l2_m_tiles);
   if (cfg.fused) {
     k90::W4a16FusedParams f{};

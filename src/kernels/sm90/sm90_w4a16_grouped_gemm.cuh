@@ -83,6 +83,9 @@ struct W4a16GemmParams {
   int32_t top_k;          // k
   int32_t num_routed;     // E (num_experts counts the shared slices as well)
   int32_t shared_chunks;
+  // Pre-wait prefetch (see prefetch_guessed_item): the n-tiles per routed expert the host
+  // expects from T * k / E, or 0 for none.
+  int32_t guess_n_tiles;
 };
 
 namespace detail {
@@ -321,6 +324,30 @@ __device__ __forceinline__ void prefetch_item_weights(const W4a16GemmParams& p, 
     prefetch_l2(p.codes + w.expert * p.code_expert_stride + tile0 * kCodeBytesPerTile, n * kCodeBytesPerTile);
     prefetch_l2(p.scales + w.expert * p.scale_expert_stride + tile0 * kScaleBytesPerTile, n * kScaleBytesPerTile);
   }
+}
+
+// Before its grid dependency wait (the dispatch for L1, L1 for the two-launch L2), a CTA's
+// first item is unknown but its weights are not: the item schedule is expert-major, so with
+// every routed expert holding guess_n_tiles n-tiles, item blockIdx.x is a fixed (expert,
+// m-block, k-slice). Prefetching that item's first chunks into L2 puts DRAM to work while the
+// dispatch runs (one SM, DRAM idle) or while the previous GEMM's tail drains. A wrong guess
+// (empty or fuller experts) shifts the experts, but the guessed first wave is still mostly the
+// real one's weights, fetched by other CTAs. One thread calls it. Inlined: as a call (out of
+// line) it changed the register allocation of every mainloop after it (230 instead of 188
+// instructions per K group of the 32-token tile; tests/sass/check_sass.sh).
+template <int kWarpgroups, int kBlockN, int kStages>
+__device__ __forceinline__ void prefetch_guessed_item(const W4a16GemmParams& p, int work) {
+  const int n_tiles = p.guess_n_tiles;
+  if (n_tiles <= 0) return;
+  const int per_expert = p.m_tiles / kWarpgroups * p.k_splits * n_tiles;
+  const int e = work / per_expert;
+  if (e >= p.num_routed) return;
+  const int local = work % per_expert;
+  WorkItem w{};
+  w.expert = e;
+  w.k_split = (local / n_tiles) % p.k_splits;
+  w.m_block = local / n_tiles / p.k_splits;
+  prefetch_item_weights<kWarpgroups, kStages - kChunksPerGroup<kBlockN>>(p, w);
 }
 
 // The fused kernel's L1 -> L2 hand-off through global counters, as CUTLASS's split-K semaphores
@@ -651,11 +678,16 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
       detail::early_schedule<kWarpgroups, kBlockN>(p, 0, 0, early);
     }
   } else {
-    grid_dependency_wait();  // the dispatch (L1) or L1 (L2) results are complete from here on
+    if (tid == 0) detail::prefetch_guessed_item<kWarpgroups, kBlockN, kStages>(p, blockIdx.x);
   }
+  // The zeroing need not wait for the dispatch: the accumulator is this run's own, and the
+  // previous run's combine, its last reader, completed before the dispatch started (run()
+  // launches the dispatch without programmatic serialization). With early start the dispatch
+  // zeroes it (zero_first is null).
   if constexpr (kIsL1) {
     if (p.zero_first != nullptr) detail::zero_grid_stride(p.zero_first, p.zero_count);
   }
+  if (!early_start) grid_dependency_wait();  // the dispatch (L1) or L1 (L2) results are complete from here on
   if (early_start) {
     __syncthreads();  // early
     total_work = early.l1_items;
@@ -718,10 +750,12 @@ w4a16_fused_moe_kernel(const W4a16FusedParams p) {
   if (early_start && zeroes) __trap();
   if (early_start) {
     detail::early_schedule<kWarpgroups, kBlockN>(p.l1, p.l2.m_tiles, p.l2.k_splits, early);
-  } else {
-    grid_dependency_wait();  // the dispatch results are complete from here on
+  } else if (tid == 0) {
+    detail::prefetch_guessed_item<kWarpgroups, kBlockN, kStages>(p.l1, blockIdx.x);
   }
+  // Before the wait (see w4a16_grouped_gemm_kernel); published after it, below.
   if (zeroes) detail::zero_grid_stride(p.l1.zero_first, p.l1.zero_count);
+  if (!early_start) grid_dependency_wait();  // the dispatch results are complete from here on
   if (tid == 0) {
     // (early start: thread 0 wrote early's counts itself)
     const int l1_items = early_start ? early.l1_items : p.l1.tile_offsets[p.l1.num_experts];
