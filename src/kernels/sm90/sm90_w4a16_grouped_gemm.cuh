@@ -15,6 +15,10 @@
 // starting as soon as its expert's L1 tiles are complete (decode: no grid-wide barrier, no
 // launch between the GEMMs, and the CTAs that finish L1 early start L2).
 //
+// Before its grid dependency wait, each CTA prefetches into L2 the weights of the first item it
+// would get under uniform routing (prefetch_guessed_item), and L1 zeroes the combine
+// accumulator: DRAM works while the dispatch kernel (one SM) or the previous GEMM's tail runs.
+//
 // Early start (tiny batches, T * k <= 32): the L1 CTAs do not wait for the dispatch kernel
 // before their first work item. Each computes that item from the top-k ids itself
 // (sm90_moe_tiny_schedule.cuh: the schedule the dispatch publishes), and waits for the dispatch
