@@ -201,6 +201,14 @@ struct WorkItem {
   // shared memory.
   const int32_t* slot_token;
 };
+// Splits an expert's work index, ((m_block * k_splits) + k_split) * n_tiles + n_tile, into w's
+// m-block and k-slice; returns the n-tile. Consecutive work items share an m-block (the same
+// weights) across n-tiles, so CTAs that run together hit the same weight bytes in L2.
+__device__ __forceinline__ int split_expert_work(const W4a16GemmParams& p, int local, int n_tiles, WorkItem& w) {
+  w.k_split = (local / n_tiles) % p.k_splits;
+  w.m_block = local / n_tiles / p.k_splits;
+  return local % n_tiles;
+}
 template <int kBlockN>
 __device__ __forceinline__ WorkItem decode_work(const W4a16GemmParams& p, int work) {
   // Find the expert whose tile range holds `work` (binary search over the prefix).
@@ -211,14 +219,8 @@ __device__ __forceinline__ WorkItem decode_work(const W4a16GemmParams& p, int wo
   }
   WorkItem w;
   w.expert = lo;
-  // Consecutive work items share an m-block (the same weights) across n-tiles, so CTAs that
-  // run together hit the same weight bytes in L2.
-  // Work index within the expert: ((m_block * k_splits) + k_split) * n_tiles + n_tile.
-  const int local = work - p.tile_offsets[lo];
   const int n_tiles = (p.expert_offsets[lo + 1] - p.expert_offsets[lo] + kBlockN - 1) / kBlockN;
-  const int n_tile = local % n_tiles;
-  w.k_split = (local / n_tiles) % p.k_splits;
-  w.m_block = local / n_tiles / p.k_splits;
+  const int n_tile = split_expert_work(p, work - p.tile_offsets[lo], n_tiles, w);
   w.slot_begin = p.expert_offsets[lo] + n_tile * kBlockN;
   w.slot_end = p.expert_offsets[lo + 1];
   w.slot_token = p.slot_token;
@@ -346,11 +348,9 @@ __device__ __forceinline__ void prefetch_guessed_item(const W4a16GemmParams& p, 
   const int per_expert = p.m_tiles / kWarpgroups * p.k_splits * n_tiles;
   const int e = work / per_expert;
   if (e >= p.num_routed) return;
-  const int local = work % per_expert;
   WorkItem w{};
   w.expert = e;
-  w.k_split = (local / n_tiles) % p.k_splits;
-  w.m_block = local / n_tiles / p.k_splits;
+  split_expert_work(p, work % per_expert, n_tiles, w);
   prefetch_item_weights<kWarpgroups, kStages - kChunksPerGroup<kBlockN>>(p, w);
 }
 
