@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench/l2_flush.h"
 #include "bench/sm90_bf16_baseline.h"
 #include "megamoe/checkpoint.h"
 #include "megamoe/dtype.h"
@@ -41,16 +42,16 @@ double median(std::vector<double> v) {
 }
 
 // Median time in µs of `fn` (which enqueues work on `stream`) over `reps` runs after `warmup`
-// untimed ones, with CUDA events. With `flush`, the L2 is flushed before each run by
-// overwriting a buffer twice its size, as when other layers run in between.
+// untimed ones, with CUDA events. With `flush`, the L2 is emptied before each run (l2_flush.h),
+// as when other layers run in between.
 template <class Fn>
-double event_median_us(Fn&& fn, int reps, int warmup, cudaStream_t stream, DeviceBuffer<uint8_t>* flush) {
+double event_median_us(Fn&& fn, int reps, int warmup, cudaStream_t stream, const L2Flush* flush) {
   cudaEvent_t a, b;
   check_cuda(cudaEventCreate(&a), "cudaEventCreate");
   check_cuda(cudaEventCreate(&b), "cudaEventCreate");
   std::vector<double> us;
   for (int r = 0; r < warmup + reps; ++r) {
-    if (flush) check_cuda(cudaMemsetAsync(flush->get(), r & 0xFF, flush->size(), stream), "L2 flush");
+    if (flush) flush->run(stream, r);
     check_cuda(cudaEventRecord(a, stream), "cudaEventRecord");
     fn();
     check_cuda(cudaEventRecord(b, stream), "cudaEventRecord");
@@ -218,6 +219,7 @@ int run_bench(const BenchOptions& opt) {
     SynthOptions so;
     so.seed = seed;
     so.num_experts = opt.num_experts;
+    so.shared_experts = opt.shared_experts;
     so.progress = true;
     synth_checkpoint(preset, ckpt_dir, so);
     synthesized = true;
@@ -344,15 +346,17 @@ int run_bench(const BenchOptions& opt) {
   }
 
   // ---- timing
-  DeviceBuffer<uint8_t> flush(size_t(2) * size_t(prop.l2CacheSize));
-  std::printf("\n%s, %d SMs; copy %.2f TB/s, bf16 %.0f TFLOP/s (measured now). Layer H=%lld I=%lld E=%lld top-%d%s, %s\n",
+  const L2Flush flush(parse_l2_flush_mode(opt.flush), size_t(prop.l2CacheSize));
+  std::printf("\n%s, %d SMs; copy %.2f TB/s, bf16 %.0f TFLOP/s (measured now). Layer H=%lld I=%lld E=%lld top-%d%s, %s; "
+              "%s L2 flush\n",
               prop.name, prop.multiProcessorCount, copy_tbps, mma_tflops, (long long)H, (long long)I, (long long)E, k,
-              shared_I ? " +shared" : "", opt.deterministic ? "deterministic" : "atomic combine");
+              shared_I ? " +shared" : "", opt.deterministic ? "deterministic" : "atomic combine", to_string(flush.mode()));
   std::printf("%7s %7s %10s %10s %8s %9s %9s %12s %8s\n", "T", "active", "floor_us", "us", "%floor", "TFLOP/s",
               "GB/s", "bf16_us", "speedup");
   report["device"] = prop.name;
   report["copy_tbps"] = copy_tbps;
   report["bf16_tflops"] = mma_tflops;
+  report["l2_flush"] = to_string(flush.mode());
   report["layer"] = {{"H", H}, {"I", I}, {"E", E}, {"top_k", k}, {"shared_I", shared_I}, {"preset", opt.checkpoint.empty() ? opt.preset : ckpt_dir}};
   report["points"] = nlohmann::json::array();
   for (int64_t T : opt.tokens) {

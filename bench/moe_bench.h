@@ -14,6 +14,9 @@ struct BenchOptions {
   int64_t layer = -1;      // with checkpoint: the MoE layer (default: the first one)
   std::vector<int64_t> tokens = {1, 4, 16, 64, 256, 1024, 4096, 16384};
   int64_t num_experts = 0;  // synth only: 0 = the preset's
+  int64_t shared_experts = -1;  // synth only: -1 = the preset's, 0 = routed experts only
+  // How the L2 is emptied before each timed replay (l2_flush.h): "clean" or "dirty".
+  std::string flush = "clean";
   int replays = 30;         // timed CUDA-graph replays per point (median reported), >= 20
   int check_tokens = 4;     // tokens checked against the CPU reference
   bool baseline = true;     // time the bf16 cuBLAS baseline too

@@ -31,6 +31,9 @@ const ModelPreset& find_preset(const std::string& name);
 struct SynthOptions {
   uint64_t seed = 0x5eed;
   int64_t num_experts = 0;  // 0: the preset's; smaller values make small test layers
+  // -1: the preset's shared experts; 0 drops them (the routed-only layer of DESIGN.md §4's
+  // floors and peer figures); a positive count replaces them.
+  int64_t shared_experts = -1;
   int threads = 0;          // 0: hardware concurrency
   bool progress = false;    // progress lines on stderr
 };

@@ -361,8 +361,13 @@ std::vector<float> synth_weight(uint64_t seed, const std::string& name, int64_t 
   return w;
 }
 
-void synth_checkpoint(const ModelPreset& preset, const std::string& out_dir,
+void synth_checkpoint(const ModelPreset& model_preset, const std::string& out_dir,
                       const SynthOptions& opt) {
+  MEGAMOE_CHECK(opt.shared_experts >= -1, kInvalidArgument, "the number of shared experts to write, ",
+                opt.shared_experts, ", is not allowed; use -1 for the ", model_preset.n_shared_experts,
+                " of preset '", model_preset.name, "', 0 for none, or a positive count.");
+  ModelPreset preset = model_preset;
+  if (opt.shared_experts >= 0) preset.n_shared_experts = opt.shared_experts;
   MEGAMOE_CHECK(opt.num_experts >= 0, kInvalidArgument, "the number of routed experts to write, ",
                 opt.num_experts, ", is negative; use 0 for the ", preset.num_experts,
                 " of preset '", preset.name, "' or a positive count.");

@@ -396,6 +396,31 @@ TEST_F(SynthCheckpoint, ReducedExpertCountKeepsAValidRouting) {
   EXPECT_NO_THROW(megamoe::load_moe_layer(Checkpoint::open(dir_.string()), d, 3));
 }
 
+TEST_F(SynthCheckpoint, SharedExpertsOverrideDropsOrKeepsTheSharedExpert) {
+  // DESIGN.md §4's floors and peer figures are for the routed experts only: --shared-experts 0
+  // writes that layer; the routed experts are the same tensors as in the full layer.
+  megamoe::ModelPreset p = megamoe::find_preset("deepseek-v3");
+  p.hidden_size = 64;
+  p.intermediate_size = 32;
+  const std::filesystem::path routed_dir = dir_ / "routed", full_dir = dir_ / "full";
+  megamoe::synth_checkpoint(p, routed_dir.string(), {.seed = 3, .num_experts = 16, .shared_experts = 0, .threads = 2});
+  megamoe::synth_checkpoint(p, full_dir.string(), {.seed = 3, .num_experts = 16, .threads = 2});
+  const megamoe::MoeLayer without = megamoe::load_moe_layer(
+      Checkpoint::open(routed_dir.string()), megamoe::load_model_config(routed_dir.string()), 3);
+  const megamoe::MoeLayer with = megamoe::load_moe_layer(Checkpoint::open(full_dir.string()),
+                                                         megamoe::load_model_config(full_dir.string()), 3);
+  EXPECT_FALSE(without.shared_expert.has_value());
+  ASSERT_EQ(without.experts.size(), 16u);
+  ASSERT_TRUE(with.shared_expert.has_value());
+  EXPECT_EQ(with.shared_expert->intermediate_size(), p.n_shared_experts * p.intermediate_size);
+  const size_t bytes = size_t(p.hidden_size) * size_t(p.intermediate_size) / 2;
+  EXPECT_EQ(std::memcmp(with.experts[5].down.weight, without.experts[5].down.weight, bytes), 0);
+  // Qwen3-MoE cannot take one; a count below -1 names the allowed values.
+  const megamoe::ModelPreset& q = megamoe::find_preset("qwen3-30b-a3b");
+  EXPECT_THROW(megamoe::synth_checkpoint(q, dir_.string(), {.num_experts = 2, .shared_experts = 1}), megamoe::Error);
+  EXPECT_THROW(megamoe::synth_checkpoint(p, dir_.string(), {.num_experts = 2, .shared_experts = -2}), megamoe::Error);
+}
+
 TEST_F(SynthCheckpoint, RejectsBadOptionsAndPresets) {
   const megamoe::ModelPreset& p = megamoe::find_preset("qwen3-30b-a3b");
   EXPECT_THROW(megamoe::synth_checkpoint(p, dir_.string(), {.num_experts = -1}), megamoe::Error);

@@ -23,6 +23,16 @@ Command add_bench_command(CLI::App& parent) {
       ->delimiter(',')
       ->capture_default_str();
   app->add_option("--num-experts", opt->num_experts, "synthesize fewer experts (0: the preset's)");
+  app->add_option("--shared-experts", opt->shared_experts,
+                  "synthesize this many shared experts (-1: the preset's, 0: none; DESIGN.md §4's floors and "
+                  "peer figures are for the routed experts only)")
+      ->capture_default_str();
+  app->add_option("--flush", opt->flush,
+                  "how the L2 is emptied before each replay: clean (read another buffer: the L2 holds clean "
+                  "lines, as after another layer's weight reads) or dirty (memset: the layer also pays for "
+                  "writing back the memset's lines)")
+      ->check(CLI::IsMember({"clean", "dirty"}))
+      ->capture_default_str();
   app->add_option("--replays", opt->replays, "timed graph replays per point (>= 20)")->capture_default_str();
   app->add_option("--check-tokens", opt->check_tokens, "tokens checked against the CPU reference")
       ->capture_default_str();

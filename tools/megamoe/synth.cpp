@@ -1,4 +1,4 @@
-// `megamoe synth --preset NAME OUT_DIR [--seed N] [--num-experts N] [--threads N]`: a synthetic
+// `megamoe synth --preset NAME OUT_DIR [--seed N] [--num-experts N] [--shared-experts N] [--threads N]`: a synthetic
 // ModelOpt NVFP4 checkpoint directory holding one MoE layer of a model preset (DESIGN.md §4).
 #include <chrono>
 #include <cstdio>
@@ -49,6 +49,9 @@ Command add_synth_command(CLI::App& parent) {
       ->capture_default_str();
   app->add_option("--num-experts", args->options.num_experts,
                   "routed experts to write (0: the preset's; fewer make small test layers)")
+      ->capture_default_str();
+  app->add_option("--shared-experts", args->options.shared_experts,
+                  "shared experts to write (-1: the preset's, 0: none, the routed-only layer)")
       ->capture_default_str();
   app->add_option("--threads", args->options.threads, "threads (0: all cores)")
       ->capture_default_str();
