@@ -24,7 +24,8 @@ def main():
             r = json.load(f)
         pts = r["points"]
         t = [p["tokens"] for p in pts]
-        label = f'{r["layer"]["preset"]} on {r["device"]}'
+        shared = " +shared" if r["layer"].get("shared_I", 0) > 0 else ""
+        label = f'{r["layer"]["preset"]}{shared} on {r["device"]}'
         ax_t.plot(t, [p["us"] for p in pts], "o-", label=f"megamoe W4A16: {label}")
         ax_t.plot(t, [p["floor_us"] for p in pts], "k--", label="floor")
         if any(p["bf16_us"] > 0 for p in pts):
