@@ -193,6 +193,10 @@ int run_bench(const BenchOptions& opt) {
   for (int64_t t : opt.tokens) {
     MEGAMOE_CHECK(t >= 1 && t <= 65536, kInvalidArgument, "bench: token count ", t, " must be in 1..65536");
   }
+  MEGAMOE_CHECK(opt.checkpoint.empty() || (opt.num_experts == 0 && opt.shared_experts == -1), kInvalidArgument,
+                "bench: --num-experts and --shared-experts shape a synthesized layer; with --checkpoint the "
+                "layer is the checkpoint's (drop them, or use --preset to synthesize)");
+  const L2FlushMode flush_mode = parse_l2_flush_mode(opt.flush);
   MEGAMOE_CHECK(gpu::device_count() > 0, kUnsupported, "bench: no CUDA device found; the benchmark needs a Hopper GPU");
   cudaDeviceProp prop{};
   check_cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
@@ -346,7 +350,7 @@ int run_bench(const BenchOptions& opt) {
   }
 
   // ---- timing
-  const L2Flush flush(parse_l2_flush_mode(opt.flush), size_t(prop.l2CacheSize));
+  const L2Flush flush(flush_mode, size_t(prop.l2CacheSize));
   std::printf("\n%s, %d SMs; copy %.2f TB/s, bf16 %.0f TFLOP/s (measured now). Layer H=%lld I=%lld E=%lld top-%d%s, %s; "
               "%s L2 flush\n",
               prop.name, prop.multiProcessorCount, copy_tbps, mma_tflops, (long long)H, (long long)I, (long long)E, k,

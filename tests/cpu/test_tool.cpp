@@ -441,6 +441,24 @@ TEST_F(SynthCheckpoint, RejectsBadOptionsAndPresets) {
                megamoe::Error);
 }
 
+// ---- the tool: bench options that are rejected before any GPU work -----------------------------
+
+TEST(ToolBench, RejectsOptionsThatDoNotApply) {
+  // --shared-experts and --num-experts shape a synthesized layer, not a given checkpoint.
+  ToolResult r = run_tool("bench --checkpoint /nonexistent --shared-experts 0");
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("--shared-experts"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("--checkpoint"), std::string::npos) << r.output;
+  r = run_tool("bench --checkpoint /nonexistent --num-experts 4");
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("--num-experts"), std::string::npos) << r.output;
+  // The flush modes are named.
+  r = run_tool("bench --flush sometimes");
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("clean"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("dirty"), std::string::npos) << r.output;
+}
+
 // ---- the tool: synth, inspect, reference -------------------------------------------------------
 
 class ToolSynth : public TempDir {

@@ -28,9 +28,9 @@ Command add_bench_command(CLI::App& parent) {
                   "peer figures are for the routed experts only)")
       ->capture_default_str();
   app->add_option("--flush", opt->flush,
-                  "how the L2 is emptied before each replay: clean (read another buffer: the L2 holds clean "
-                  "lines, as after another layer's weight reads) or dirty (memset: the layer also pays for "
-                  "writing back the memset's lines)")
+                  "how the L2 is emptied before each replay: clean (memset a buffer, then read another: the L2 "
+                  "holds clean lines, as after another layer's weight reads) or dirty (memset only: the layer "
+                  "also pays for writing back the memset's lines)")
       ->check(CLI::IsMember({"clean", "dirty"}))
       ->capture_default_str();
   app->add_option("--replays", opt->replays, "timed graph replays per point (>= 20)")->capture_default_str();
