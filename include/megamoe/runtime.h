@@ -33,8 +33,15 @@ struct GemmConfig {
   int block_n = 16;    // tokens per tile (wgmma N)
   int stages = 4;      // cp.async pipeline depth
   int k_splits = 1;    // K slices per output tile, added atomically (L2 atomic combine only)
+  // Tokens an expert's last tile may hold beyond the others: tiles step by block_n - last_tile_extra
+  // tokens, and a remainder of up to last_tile_extra tokens joins the last full tile.
+  int last_tile_extra = 0;
+  int tile_step() const { return block_n - last_tile_extra; }
   std::string to_string() const;
 };
+// The absorbing prefill tile: four warpgroups (BLOCK_M = 256), 128-token tiles of which an
+// expert's last takes up to 32 tokens more (sm90_w4a16_grouped_gemm.cuh, gemm_item_overlapped).
+inline constexpr GemmConfig kAbsorbingTile{4, 160, 6, 1, 32};
 // The decode tiles the fused L1 + L2 launch is built for: the 16-token tile (the heuristic's
 // fused choice, and the one a forced fused launch runs) and the 32-token tile (where it decodes
 // fewer weights; see sm90_moe_heuristics.cpp).
@@ -64,6 +71,10 @@ struct MoeConfig {
 // kEarlyStartMaxSlots).
 bool can_start_early(const MoeProblem& problem, int64_t tokens);
 
+// Whether both GEMMs can run the absorbing tile (kAbsorbingTile): 2I and H multiples of its
+// 256-row blocks.
+bool can_absorb(const MoeProblem& problem);
+
 // The heuristic: a pure function of the problem, the token count and the device's SM count
 // (printable). `fused`, where set, replaces its choice of launch (MoeTuning::fused) before the
 // tiles that depend on it are chosen: two launches may take a wider decode tile than the fused
@@ -82,6 +93,9 @@ struct MoeTuning {
   std::optional<bool> fused;
   // Early start (only where can_start_early); false waits for the dispatch before L1's first items.
   std::optional<bool> early_start;
+  // The absorbing prefill tile (kAbsorbingTile) in both GEMMs. true needs 2I and H multiples of
+  // 256 (its 256-row blocks) and runs two launches without early start; false never uses it.
+  std::optional<bool> absorbing_tile;
 };
 
 // The stacked NVFP4 expert layout inference engines keep on the GPU (DESIGN.md §2): DEVICE

@@ -262,6 +262,25 @@ MoeConfig MoePlan::config(int64_t tokens) const {
                 "MoeTuning.fused: the fused launch is built for the 16- and 32-token decode tiles (",
                 kFusedTile.to_string(), ", ", kFusedTile32.to_string(), ") in both GEMMs, up to 24 tokens per expert; at T=",
                 tokens, " the heuristic picks ", cfg.to_string());
+  if (tuning_.absorbing_tile) {
+    if (*tuning_.absorbing_tile) {
+      MEGAMOE_CHECK(can_absorb(p), kInvalidArgument, "MoeTuning.absorbing_tile: its 256-row blocks need 2I and H multiples of 256; "
+                    "this layer has I=", p.intermediate_size, ", H=", p.hidden_size);
+      MEGAMOE_CHECK(!tuning_.fused || !*tuning_.fused, kInvalidArgument,
+                    "MoeTuning.absorbing_tile runs two launches: it cannot be set with MoeTuning.fused = true");
+      MEGAMOE_CHECK(!tuning_.early_start || !*tuning_.early_start, kInvalidArgument,
+                    "MoeTuning.absorbing_tile has no early start: it cannot be set with MoeTuning.early_start = true");
+      cfg.l1 = kAbsorbingTile;
+      cfg.l2 = GemmConfig{kAbsorbingTile.warpgroups, kAbsorbingTile.block_n, kAbsorbingTile.stages, cfg.l2.k_splits,
+                          kAbsorbingTile.last_tile_extra};
+      cfg.fused = false;
+      cfg.early_start = false;
+    } else if (cfg.l1.last_tile_extra > 0) {
+      // The heuristic's alternative: the 128-token tile (no K slices at prefill).
+      cfg.l1 = GemmConfig{2, 128, 4};
+      cfg.l2 = GemmConfig{2, 128, 4};
+    }
+  }
   if (tuning_.early_start) {
     MEGAMOE_CHECK(!*tuning_.early_start || can_start_early(p, tokens), kInvalidArgument,
                   "MoeTuning.early_start: early start holds up to ", kEarlyStartMaxSelections,
@@ -353,6 +372,11 @@ void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params,
   // (<= 128 registers). Stage counts are chosen so that shared memory allows as many CTAs as
   // registers do (the 64-token tile excepted: 3 CTAs, four stages for 4 CTAs measured slower,
   // T=1536 3685 -> 3994 us).
+  static_assert(kAbsorbingTile.warpgroups == 4 && kAbsorbingTile.block_n == 160 && kAbsorbingTile.stages == 6 &&
+                    kAbsorbingTile.last_tile_extra == 32,
+                "kAbsorbingTile is the absorbing tile instantiated below");
+  static_assert(k90::detail::kTileStep<kAbsorbingTile.block_n> == kAbsorbingTile.block_n - kAbsorbingTile.last_tile_extra,
+                "the kernel's tile step (kTileStep) must be kAbsorbingTile's");
   static_assert(kFusedTile.warpgroups == 1 && kFusedTile.block_n == 16 && kFusedTile.stages == 8,
                 "kFusedTile is the 16-token tile instantiated below");
   static_assert(kFusedTile32.warpgroups == 1 && kFusedTile32.block_n == 32 && kFusedTile32.stages == 6,
@@ -365,6 +389,9 @@ void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params,
     launch_gemm<kIsL1, 1, 48, 6, 4>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 1 && c.block_n == 64 && c.stages == 6) {
     launch_gemm<kIsL1, 1, 64, 6, 4>(params, num_sms, max_work, stream);
+  } else if (c.warpgroups == 4 && c.block_n == 160 && c.stages == 6 && c.last_tile_extra == 32) {
+    // One CTA (four warpgroups, 512 threads at <= 128 registers) per SM.
+    launch_gemm<kIsL1, 4, 160, 6, 1>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 2 && c.block_n == 128 && c.stages == 4) {
     // Two CTAs (four warpgroups) per SM: one warpgroup's wgmmas run while another decodes.
     launch_gemm<kIsL1, 2, 128, 4, 2>(params, num_sms, max_work, stream);
@@ -440,6 +467,8 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   d.l2_block_m_tiles = cfg.l2.warpgroups;
   d.l1_block_n = cfg.l1.block_n;
   d.l2_block_n = cfg.l2.block_n;
+  d.l1_tile_step = cfg.l1.tile_step();
+  d.l2_tile_step = cfg.l2.tile_step();
   d.l2_k_splits = cfg.l2.k_splits;
   d.expert_offsets = at<int32_t>(ws, L.expert_offsets);
   d.l1_tile_offsets = at<int32_t>(ws, L.l1_tiles);
@@ -487,7 +516,8 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   // crowd the first SMs the block scheduler fills, and the items then share fewer SMs.
   auto max_work = [&](const GemmConfig& c, int64_t m_tiles) {
     const int64_t slots = T * spt, active = std::min(EV, slots);
-    const int64_t n_tiles = (slots + active * (c.block_n - 1)) / c.block_n;
+    // The last tile may absorb a remainder: tiles of tile_step() tokens bound the count.
+    const int64_t n_tiles = (slots + active * (c.tile_step() - 1)) / c.tile_step();
     return (m_tiles / c.warpgroups) * c.k_splits * n_tiles;
   };
 
@@ -552,7 +582,7 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   auto guess_n_tiles = [&](const GemmConfig& c) -> int32_t {
     const double per_expert = static_cast<double>(T) * p.top_k / static_cast<double>(p.num_experts);
     if (per_expert < 1.0) return 0;
-    return static_cast<int32_t>(std::max<int64_t>(1, std::llround(per_expert / c.block_n)));
+    return static_cast<int32_t>(std::max<int64_t>(1, std::llround(per_expert / c.tile_step())));
   };
   g1.guess_n_tiles = cfg.early_start ? 0 : guess_n_tiles(cfg.l1);
   g2.guess_n_tiles = guess_n_tiles(cfg.l2);

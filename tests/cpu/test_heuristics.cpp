@@ -38,9 +38,32 @@ TEST(Heuristics, TokenTileFollowsTokensPerExpert) {
   EXPECT_EQ(choose_moe_config(p, 768).l1.block_n, 32);
   EXPECT_EQ(choose_moe_config(p, 1024).l1.block_n, 48);
   EXPECT_EQ(choose_moe_config(p, 1536).l1.block_n, 64);
-  const GemmConfig prefill = choose_moe_config(p, 4096).l1;
+  const GemmConfig prefill = choose_moe_config(p, 16384).l1;  // 512 +- 23 per expert: 9% fewer tiles absorbed
   EXPECT_EQ(prefill.block_n, 128);
   EXPECT_EQ(prefill.warpgroups, 2);
+  EXPECT_EQ(prefill.last_tile_extra, 0);
+}
+
+// The absorbing tile where an expert's remainder of up to 32 tokens is common and K is long.
+TEST(Heuristics, AbsorbingTileWhereRemaindersAreShort) {
+  const MoeProblem p = deepseek_v3();
+  for (int64_t T : {4096, 8192}) {  // 128 +- 11 and 256 +- 16 tokens per expert
+    const MoeConfig c = choose_moe_config(p, T);
+    EXPECT_EQ(c.l1.block_n, kAbsorbingTile.block_n) << "T=" << T;
+    EXPECT_EQ(c.l1.warpgroups, 4) << "T=" << T;
+    EXPECT_EQ(c.l1.tile_step(), 128) << "T=" << T;
+    EXPECT_EQ(c.l2.block_n, kAbsorbingTile.block_n) << "T=" << T;
+    EXPECT_FALSE(c.fused);
+    EXPECT_NE(c.to_string().find("step=128"), std::string::npos) << c.to_string();
+  }
+  EXPECT_EQ(choose_moe_config(p, 3072).l1.block_n, 128);  // 96 per expert: nothing to absorb
+  EXPECT_EQ(choose_moe_config(p, 6144).l1.block_n, 128);  // 192 per expert: remainders of 64
+  EXPECT_EQ(choose_moe_config(qwen3_30b(), 4096).l1.block_n, 128);  // H = 2048, I = 768: short K
+  EXPECT_TRUE(can_absorb(p));
+  MoeProblem odd = p;
+  odd.hidden_size = 7168 + 64;  // 113 row tiles of W2: not whole 256-row blocks
+  EXPECT_FALSE(can_absorb(odd));
+  EXPECT_EQ(choose_moe_config(odd, 4096).l2.block_n, 64);
 }
 
 TEST(Heuristics, L2SplitsKForTinyBatches) {

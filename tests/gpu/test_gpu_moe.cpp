@@ -157,12 +157,14 @@ struct TuningCase {
   Case c;
   bool fused;
   std::optional<bool> early_start = std::nullopt;
+  std::optional<bool> absorbing_tile = std::nullopt;
 };
 void PrintTo(const TuningCase& tc, std::ostream* os) { *os << tc.c.name; }
 MoeTuning tuning_of(const TuningCase& tc) {
   MoeTuning t;
   t.fused = tc.fused;
   t.early_start = tc.early_start;
+  t.absorbing_tile = tc.absorbing_tile;
   return t;
 }
 
@@ -205,7 +207,14 @@ INSTANTIATE_TEST_SUITE_P(
         TuningCase{Case{"fused32_T80", 256, 128, 8, 2, 80}, true},
         TuningCase{Case{"fused32_T96_shared", 256, 128, 8, 2, 96, 256}, true},
         TuningCase{Case{"fused32_swiglu_clamp", 256, 128, 8, 2, 72, 0, 0.25f}, true},
-        TuningCase{Case{"unfused32_T96_shared", 256, 128, 8, 2, 96, 256}, false}),
+        TuningCase{Case{"unfused32_T96_shared", 256, 128, 8, 2, 96, 256}, false},
+        // The absorbing tile: an expert's last 128-token tile takes up to 32 tokens more. Experts
+        // at every edge: empty, 1, 128, 129 and 160 (one tile), 161 (two), 288 (two, the last
+        // 160), 289 and 300 (three). A shared expert of 600 slots: five tiles, the last 88.
+        TuningCase{Case{"absorbing_edges", 512, 256, 9, 1, 1456, 0, std::nullopt, -1, testing::ScaleCodes::kRealistic,
+                        {0, 1, 128, 129, 160, 161, 288, 289, 300}}, false, false, true},
+        TuningCase{Case{"absorbing_shared_clamp", 256, 128, 8, 2, 600, 256, 0.25f}, false, false, true},
+        TuningCase{Case{"absorbing_T3", 256, 128, 8, 2, 3}, false, false, true}),
     [](const ::testing::TestParamInfo<TuningCase>& info) { return std::string(info.param.c.name); });
 
 // DeepGEMM's rule for a fused path: bitwise equal to the unfused pipeline of the library's own

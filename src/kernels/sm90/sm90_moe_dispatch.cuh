@@ -32,6 +32,8 @@ struct DispatchParams {
   int32_t l2_block_m_tiles;
   int32_t l1_block_n;            // tokens per L1 tile
   int32_t l2_block_n;
+  int32_t l1_tile_step;          // tokens per tile but an expert's last (expert_token_tiles)
+  int32_t l2_tile_step;
   int32_t l2_k_splits;           // K slices per L2 tile (L1 never splits K: SwiGLU needs full sums)
   // outputs (workspace)
   int32_t* expert_offsets;       // (E' + 1) slot offsets
@@ -144,8 +146,8 @@ __device__ __forceinline__ void scan_offsets(const DispatchParams& p, ScanStorag
     const int e = 2 * tid + j;
     const int32_t c = e < num_virtual ? counts[e] : 0;
     v[j][0] = c;
-    v[j][1] = (c + p.l1_block_n - 1) / p.l1_block_n * (p.l1_m_tiles / p.l1_block_m_tiles);
-    v[j][2] = (c + p.l2_block_n - 1) / p.l2_block_n * (p.l2_m_tiles / p.l2_block_m_tiles) * p.l2_k_splits;
+    v[j][1] = expert_token_tiles(c, p.l1_block_n, p.l1_tile_step) * (p.l1_m_tiles / p.l1_block_m_tiles);
+    v[j][2] = expert_token_tiles(c, p.l2_block_n, p.l2_tile_step) * (p.l2_m_tiles / p.l2_block_m_tiles) * p.l2_k_splits;
   }
   int32_t total[3];
   block_exclusive_scan3(v, total, storage);

@@ -107,6 +107,7 @@ MEGAMOE_WGMMA_RS(48)
 MEGAMOE_WGMMA_RS(64)
 MEGAMOE_WGMMA_RS(96)
 MEGAMOE_WGMMA_RS(128)
+MEGAMOE_WGMMA_RS(160)
 #undef MEGAMOE_WGMMA_RS
 
 template <class Op, size_t... I>
@@ -118,6 +119,7 @@ __device__ __forceinline__ void wgmma_rs(const uint32_t (&a)[4], uint64_t desc_b
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_one() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 template <class T>
 __device__ __forceinline__ void keep_in_register(T& r) {
   if constexpr (sizeof(T) == 4) asm volatile("" : "+r"(*reinterpret_cast<uint32_t*>(&r)) :: "memory");
@@ -177,6 +179,13 @@ __device__ __forceinline__ void with_token_width(int rows, F&& f) {
   }
 }
 
+// Whether a tile runs the overlapped K loop (gemm_item_overlapped): each warpgroup decodes k16
+// step s while step s - 1's wgmma runs. The four-warpgroup absorbing prefill tile (BLOCK_M = 256)
+// runs one CTA per SM, where no other CTA's wgmmas fill the tensor pipe while its warpgroups
+// decode.
+template <int kWarpgroups>
+inline constexpr bool kOverlapsDecode = kWarpgroups == 4;
+
 // K chunks per pipeline group of a tile of kBlockN tokens (see gemm_item).
 template <int kBlockN>
 inline constexpr int kChunksPerGroup = kBlockN <= 64 ? 2 : 1;
@@ -209,6 +218,12 @@ __device__ __forceinline__ int split_expert_work(const W4a16GemmParams& p, int l
   w.m_block = local / n_tiles / p.k_splits;
   return local % n_tiles;
 }
+// Tokens per tile but an expert's last (expert_token_tiles): the 160-token tile is the absorbing
+// tile (128-token tiles, the last up to 160: kAbsorbingTile on the host), every other tile its
+// own width.
+template <int kBlockN>
+inline constexpr int kTileStep = kBlockN == 160 ? 128 : kBlockN;
+
 template <int kBlockN>
 __device__ __forceinline__ WorkItem decode_work(const W4a16GemmParams& p, int work) {
   // Find the expert whose tile range holds `work` (binary search over the prefix).
@@ -219,10 +234,18 @@ __device__ __forceinline__ WorkItem decode_work(const W4a16GemmParams& p, int wo
   }
   WorkItem w;
   w.expert = lo;
-  const int n_tiles = (p.expert_offsets[lo + 1] - p.expert_offsets[lo] + kBlockN - 1) / kBlockN;
-  const int n_tile = split_expert_work(p, work - p.tile_offsets[lo], n_tiles, w);
-  w.slot_begin = p.expert_offsets[lo] + n_tile * kBlockN;
-  w.slot_end = p.expert_offsets[lo + 1];
+  const int count = p.expert_offsets[lo + 1] - p.expert_offsets[lo];
+  if constexpr (kTileStep<kBlockN> == kBlockN) {
+    const int n_tiles = (count + kBlockN - 1) / kBlockN;
+    const int n_tile = split_expert_work(p, work - p.tile_offsets[lo], n_tiles, w);
+    w.slot_begin = p.expert_offsets[lo] + n_tile * kBlockN;
+    w.slot_end = p.expert_offsets[lo + 1];  // past kBlockN rows: the tile's width is kBlockN
+  } else {
+    const int n_tiles = expert_token_tiles(count, kBlockN, kTileStep<kBlockN>);
+    const int n_tile = split_expert_work(p, work - p.tile_offsets[lo], n_tiles, w);
+    w.slot_begin = p.expert_offsets[lo] + n_tile * kTileStep<kBlockN>;
+    w.slot_end = n_tile == n_tiles - 1 ? p.expert_offsets[lo + 1] : w.slot_begin + kTileStep<kBlockN>;
+  }
   w.slot_token = p.slot_token;
   return w;
 }
@@ -665,6 +688,185 @@ __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkIt
   });
 }
 
+// Calls f(integral_constant<kI>), f(integral_constant<kI + 1>), ... for the first `count - kI`
+// indices below kEnd, each call nested inside the previous one's branch (see overlapped_k_loop).
+template <int kI, int kEnd, class F>
+__device__ __forceinline__ void tail_chunks(int count, F&& f) {
+  if constexpr (kI < kEnd) {
+    if (kI < count) {
+      f(std::integral_constant<int, kI>{});
+      tail_chunks<kI + 1, kEnd>(count, f);
+    }
+  }
+}
+
+// The K loop of the overlapped tiles, one chunk per CTA barrier. Iteration c:
+//   wait for this thread's copies of chunk c, CTA barrier (chunk c visible to every thread;
+//   every warpgroup has passed iteration c - 1's waits, so chunk c - 2's wgmmas are done and
+//   its stage is free); refill that stage with chunk c + kStages - 2; then per k16 step s:
+//   decode into A buffer s % 2 while step s - 1's wgmma reads the other, issue step s's wgmma,
+//   wait until it is the only one in flight. Two steps of A (8 registers) instead of two chunks
+//   (32): next to 80 accumulators, two chunks made ptxas serialise the wgmmas (C7512).
+// Copies run kStages - 2 chunks ahead (a stage is released one barrier later than in
+// gemm_item's loop). A round of kStages chunks is unrolled, so stage indices are compile-time
+// constants.
+//   load(offset):   copies chunk (round base + offset) into stage offset % kStages;
+//   next_weights(): advances the weight sources by one chunk (after each commit);
+//   next_round():   advances the B sources by kStages chunks.
+template <class Smem, class Op, int kStages, int kAcc, class Load, class NextWeights, class NextRound>
+__device__ __forceinline__ void overlapped_k_loop(int n, float (&acc)[kAcc],
+                                                  uint32_t (&a)[2][4],
+                                                  const uint8_t* code_lds, const uint8_t* scale_lds,
+                                                  uint64_t b_desc0, Load&& load, NextWeights&& next_weights,
+                                                  NextRound&& next_round) {
+  using namespace w4a16;
+  static_assert(kStages >= 4, "the overlapped K loop needs kStages >= 4: two stages are held by the wgmmas in flight");
+  detail::static_for<kStages - 2>([&](auto s) {
+    if (static_cast<int>(decltype(s)::value) < n) load(s);
+    detail::cp_async_commit();
+    next_weights();
+  });
+  int base = 0;  // first chunk of the current round
+  // Chunk base + kStage: stage kStage. always_inline: a lambda NVVM leaves
+  // out of line is a call to ptxas, and it serialises wgmma pipelines across calls (C7510).
+  auto chunk = [&](auto stage) __attribute__((always_inline)) {
+    constexpr int kStage = decltype(stage)::value;
+    const int c = base + kStage;
+    detail::cp_async_wait<kStages - 3>();  // this thread's copies of chunk c have landed
+    __syncthreads();
+    if (c + kStages - 2 < n) load(std::integral_constant<int, kStage + kStages - 2>{});
+    detail::cp_async_commit();  // one group per chunk, empty at the end of K
+    next_weights();
+    const uint4 q = *reinterpret_cast<const uint4*>(code_lds + kStage * Smem::kCodeStageBytes);
+    const uint2 sc = *reinterpret_cast<const uint2*>(scale_lds + kStage * Smem::kScaleStageBytes);
+    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+    const uint32_t scale_words[2] = {sc.x, sc.y};  // steps (0, 1) and (2, 3)
+    const uint64_t desc = b_desc0 + static_cast<uint64_t>(kStage * Smem::kBTileBytes / 16);
+    // Step s decodes into buffer s % 2 while step s - 1's wgmma (the previous chunk's last step,
+    // for s = 0) reads the other, then waits until only its own wgmma is in flight.
+    detail::static_for<kStepsPerChunk>([&](auto step) __attribute__((always_inline)) {
+      constexpr int s = decltype(step)::value;
+      decode_step<s % 2>(words[s], scale_words[s / 2], a[s % 2]);
+      detail::wgmma_fence();
+      // k16 step s starts 32 bytes further along the swizzled 128-byte rows.
+      detail::wgmma_rs<Op>(a[s % 2], desc + static_cast<uint64_t>(s * 2), acc, std::make_index_sequence<kAcc>{});
+      detail::wgmma_commit();
+      detail::wgmma_wait_one();
+    });
+  };
+  // Whole rounds with no exit between their chunks, then a nested tail: a loop round that can be
+  // left early made ptxas serialise every wgmma of an overlapped kernel (C7513, v8).
+  for (; base + kStages <= n; base += kStages) {
+    detail::static_for<kStages>(chunk);
+    next_round();
+  }
+  // The last n - base < kStages chunks, nested so that chunk i runs only after chunk i - 1.
+  tail_chunks<0, kStages>(n - base, chunk);
+  detail::wgmma_wait_all();
+  #pragma unroll
+  for (int i = 0; i < kAcc; ++i) detail::keep_in_register(acc[i]);
+}
+
+// Token widths of the overlapped tiles: kNarrow or kBlockN. With wgmmas in flight across the K
+// loop's back edge, ptxas gives each width registers of its own; past two widths it runs out
+// (C7512, v8).
+template <int kNarrow, int kBlockN, class F>
+__device__ __forceinline__ void with_two_token_widths(int rows, F&& f) {
+  if constexpr (kNarrow >= kBlockN) {
+    f(std::integral_constant<int, kBlockN>{});
+  } else if (rows <= kNarrow) {
+    f(std::integral_constant<int, kNarrow>{});
+  } else {
+    f(std::integral_constant<int, kBlockN>{});
+  }
+}
+
+// gemm_item for the overlapped tiles (kOverlapsDecode): the absorbing prefill tile. Its items are
+// 128-token tiles, but an expert's last tile takes up to 32 tokens more
+// (expert_token_tiles): at DeepSeek-V3 T=4096 an expert has 128 +- 11 tokens, and a remainder of
+// a few tokens as an item of its own decoded every weight again (ncu: the remainder items took
+// ~20% of L1's time). Widths 128 and 160. Four warpgroups (BLOCK_M = 256) share one (BLOCK_N, 64)
+// B stage, and each overlaps its decode with its wgmmas (overlapped_k_loop). The copy state is
+// set up once for all BLOCK_N rows, outside the token width (per-width copy state cost registers
+// per width). Rows past the item's slots are zero-filled (src-size 0, no global read).
+template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, class AfterMainloop>
+__device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, const WorkItem& w, uint8_t* smem,
+                                                     AfterMainloop&& after_mainloop) {
+  using namespace w4a16;
+  using Smem = W4a16SmemLayout<kWarpgroups, kBlockN, kStages>;
+  constexpr int kThreads = kWarpgroups * kThreadsPerWarpgroup;
+  static_assert(kBlockN == 160, "the overlapped item is the absorbing tile: 128-token items, the last up to 160");
+  constexpr int kNarrow = 128;
+  const uint32_t smem_u32 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int tid = threadIdx.x;
+  const int wg = tid / kThreadsPerWarpgroup, wtid = tid % kThreadsPerWarpgroup;
+  const int warp = wtid / 32, lane = wtid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int m_tile = w.m_block * kWarpgroups + wg;
+  // Copy streams as in gemm_item (one chunk per pipeline group).
+  constexpr int kPieces = (kBlockN * 8 + kThreads - 1) / kThreads;
+  // The last round of pieces may be partial: its threads past BLOCK_N rows copy nothing.
+  const bool copies_last_piece = tid + (kPieces - 1) * kThreads < kBlockN * 8;
+  const auto [k_begin, n] = item_chunks(p, w);
+  const int64_t a_tile0 = static_cast<int64_t>(m_tile) * p.k_chunks + k_begin;
+  const uint8_t* code_src = p.codes + w.expert * p.code_expert_stride + a_tile0 * kCodeBytesPerTile + wtid * 16;
+  const uint8_t* scale_src = p.scales + w.expert * p.scale_expert_stride + a_tile0 * kScaleBytesPerTile + wtid * 16;
+  const bool copies_scales = wtid < kScaleBytesPerTile / 16;
+  const char* b_src[kPieces];
+  uint32_t b_dst[kPieces];
+  bool b_valid[kPieces];
+  #pragma unroll
+  for (int j = 0; j < kPieces; ++j) {
+    const int i = tid + j * kThreads;
+    const int r = i / 8, c = i % 8;
+    const int slot = w.slot_begin + r;
+    b_valid[j] = slot < w.slot_end;
+    const int64_t src_row = !b_valid[j] ? 0 : (kIsL1 ? w.slot_token[slot] : slot);
+    b_src[j] = reinterpret_cast<const char*>(p.b_src + src_row * p.b_ld + k_begin * kChunkK + c * 8);
+    b_dst[j] = smem_u32 + Smem::kBOffset + r * 128 + ((c ^ (r & 7)) * 16);
+  }
+  const uint32_t code_dst = smem_u32 + Smem::kCodeOffset + wg * kCodeBytesPerTile + wtid * 16;
+  const uint32_t scale_dst = smem_u32 + Smem::kScaleOffset + wg * kScaleBytesPerTile + wtid * 16;
+  const uint8_t* code_lds = smem + Smem::kCodeOffset + wg * kCodeBytesPerTile + wtid * 16;
+  const uint8_t* scale_lds = smem + Smem::kScaleOffset + wg * kScaleBytesPerTile + (warp * 8 + g) * 8;
+  const uint64_t b_desc0 = detail::make_sw128_desc(smem + Smem::kBOffset);
+  auto load = [&](auto offset) {
+    constexpr int kOffset = decltype(offset)::value;
+    constexpr int kStage = kOffset % kStages;
+    detail::cp_async_16(code_dst + kStage * Smem::kCodeStageBytes, code_src, true);
+    if (copies_scales) detail::cp_async_16(scale_dst + kStage * Smem::kScaleStageBytes, scale_src, true);
+    #pragma unroll
+    for (int j = 0; j < kPieces; ++j) {
+      if (j + 1 < kPieces || copies_last_piece)
+        detail::cp_async_16(b_dst[j] + kStage * Smem::kBTileBytes, b_src[j] + kOffset * kChunkK * 2, b_valid[j]);
+    }
+  };
+  auto next_weights = [&] {
+    code_src += kCodeBytesPerTile;
+    scale_src += kScaleBytesPerTile;
+  };
+  auto next_round = [&] {
+    #pragma unroll
+    for (int j = 0; j < kPieces; ++j) b_src[j] += kStages * kChunkK * 2;
+  };
+  // One set of accumulators and A buffers for both token widths (the narrow wgmma uses the first
+  // registers of the set).
+  float acc_all[kBlockN / 2];
+  uint32_t a[2][4];  // two k16 steps of A fragments, (64, 16) per warpgroup each
+  with_two_token_widths<kNarrow, kBlockN>(w.slot_end - w.slot_begin, [&](auto width) __attribute__((always_inline)) {
+    constexpr int kWidth = decltype(width)::value;
+    constexpr int kAcc = kWidth / 2;  // fp32 accumulators per thread: (64, width) / 128
+    float (&acc)[kAcc] = *reinterpret_cast<float(*)[kAcc]>(acc_all);
+    #pragma unroll
+    for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
+    overlapped_k_loop<Smem, typename detail::WgmmaRS<kWidth>::Op, kStages>(n, acc, a, code_lds, scale_lds, b_desc0,
+                                                                          load, next_weights, next_round);
+    detail::cp_async_wait<0>();
+    after_mainloop();
+    detail::store_tile<kIsL1, kWidth>(p, acc, w, m_tile, warp, g, t);
+  });
+}
+
 }  // namespace detail
 
 template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, int kMinBlocksPerSm>
@@ -703,10 +905,15 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     int next_work = 0;
     const detail::WorkItem w =
         early_start && work == static_cast<int>(blockIdx.x) ? early.first : detail::decode_work<kBlockN>(p, work);
-    detail::gemm_item<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem, [&] {
+    auto claim = [&] {
       grid_dependency_wait();  // early start: the dispatch's counter and schedule from here on
       if (tid == 0) next_work = detail::claim_work(p.work_counter);
-    });
+    };
+    if constexpr (detail::kOverlapsDecode<kWarpgroups>) {
+      detail::gemm_item_overlapped<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem, claim);
+    } else {
+      detail::gemm_item<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem, claim);
+    }
     // This barrier also hands the stages to the next item: every thread has finished this item's
     // wgmmas and copies. Every thread read the previous next_work_shared before this item's
     // first mainloop barrier (every item has at least one chunk).
