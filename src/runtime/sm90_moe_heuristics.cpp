@@ -6,7 +6,9 @@
 // weight decodes) keeps the accumulator and the B stage small so 6-8 stage pipelines and 4-6
 // CTAs per SM run. Many tokens per expert (prefill): two
 // consumer warpgroups share a 128-token B tile, halving the B traffic per decoded weight and
-// giving the tensor cores long wgmma runs. Within a tile, each work item runs at the narrowest
+// giving the tensor cores long wgmma runs; where an expert's remainder past its 128-token tiles
+// is usually short and K is long, the absorbing tile (kAbsorbingTile) folds it into the last
+// tile. Within a tile, each work item runs at the narrowest
 // token width that holds its slots (the kernel's choice, not this heuristic's). On the 16- and
 // 32-token tiles both GEMMs run as one persistent launch where L1's items end in a partial wave
 // (0.6-4.5 waves of the 16-token tile's CTA slots, up to 4.8 of the 32-token tile's): L2 items
