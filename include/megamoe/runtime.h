@@ -39,6 +39,8 @@ struct GemmConfig {
   int tile_step() const { return block_n - last_tile_extra; }
   std::string to_string() const;
 };
+// The prefill tile: two warpgroups (BLOCK_M = 128) on a 128-token tile, two CTAs per SM.
+inline constexpr GemmConfig kPrefillTile{2, 128, 4};
 // The absorbing prefill tile: four warpgroups (BLOCK_M = 256), 128-token tiles of which an
 // expert's last takes up to 32 tokens more (sm90_w4a16_grouped_gemm.cuh, gemm_item_overlapped).
 inline constexpr GemmConfig kAbsorbingTile{4, 160, 6, 1, 32};

@@ -95,7 +95,7 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   // SM's shared memory, six fit 4 (DeepSeek-V3 T=1024 on H200: 3326 -> 2827 us).
   GemmConfig decode48{1, 48, 6};
   GemmConfig middle{1, 64, 6};
-  GemmConfig prefill{2, 128, 4};
+  const GemmConfig prefill = kPrefillTile;
   auto pick = [&](int64_t m_tiles) {
     // Measured on H200 (DeepSeek-V3 / Qwen3-30B-A3B, uniform routing; docs/perf): each token
     // tile should hold an average expert's tokens in one piece (the weights are then decoded

@@ -277,8 +277,8 @@ MoeConfig MoePlan::config(int64_t tokens) const {
       cfg.early_start = false;
     } else if (cfg.l1.last_tile_extra > 0) {
       // The heuristic's alternative: the 128-token tile (no K slices at prefill).
-      cfg.l1 = GemmConfig{2, 128, 4};
-      cfg.l2 = GemmConfig{2, 128, 4};
+      cfg.l1 = kPrefillTile;
+      cfg.l2 = kPrefillTile;
     }
   }
   if (tuning_.early_start) {
@@ -372,6 +372,8 @@ void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params,
   // (<= 128 registers). Stage counts are chosen so that shared memory allows as many CTAs as
   // registers do (the 64-token tile excepted: 3 CTAs, four stages for 4 CTAs measured slower,
   // T=1536 3685 -> 3994 us).
+  static_assert(kPrefillTile.warpgroups == 2 && kPrefillTile.block_n == 128 && kPrefillTile.stages == 4,
+                "kPrefillTile is the two-warpgroup 128-token tile instantiated below");
   static_assert(kAbsorbingTile.warpgroups == 4 && kAbsorbingTile.block_n == 160 && kAbsorbingTile.stages == 6 &&
                     kAbsorbingTile.last_tile_extra == 32,
                 "kAbsorbingTile is the absorbing tile instantiated below");

@@ -477,6 +477,21 @@ __device__ __forceinline__ uint8_t* aligned_dynamic_smem() {
   return smem_raw + ((1024u - smem_misalign) & 1023u);
 }
 
+// Piece i of a work item's B tile, 16 bytes of (row i / 8, K chunk columns 8 * (i % 8) ..): its
+// global source at chunk k_begin (the slot's token row in L1, the slot's activation row in L2),
+// its shared-memory destination in stage 0 (piece c of row r lands at c ^ (r % 8): 128-byte
+// swizzle), and whether the row holds a slot of the item (otherwise the copy zero-fills).
+template <bool kIsL1, class Smem>
+__device__ __forceinline__ void b_piece(const W4a16GemmParams& p, const WorkItem& w, int k_begin, uint32_t smem_u32,
+                                        int i, const char*& src, uint32_t& dst, bool& valid) {
+  const int r = i / 8, c = i % 8;
+  const int slot = w.slot_begin + r;
+  valid = slot < w.slot_end;
+  const int64_t src_row = !valid ? 0 : (kIsL1 ? w.slot_token[slot] : slot);
+  src = reinterpret_cast<const char*>(p.b_src + src_row * p.b_ld + k_begin * w4a16::kChunkK + c * 8);
+  dst = smem_u32 + Smem::kBOffset + r * 128 + ((c ^ (r & 7)) * 16);
+}
+
 // Runs one work item with the whole CTA: mainloop over its K slice, then after_mainloop() (every
 // thread; the schedulers claim their next item there), then the epilogue. The caller's barrier
 // after it hands the shared-memory stages to the next item.
@@ -515,7 +530,6 @@ __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkIt
     static_assert(kStages >= 2 * kGroup && kStages % kGroup == 0,
                   "need kStages >= 2 * kGroup (a group computing, a group landing), a multiple of kGroup");
     const int e = w.expert, m_block = w.m_block;
-    const int slot_begin = w.slot_begin, slot_end = w.slot_end;
     const int m_tile = m_block * kWarpgroups + wg;
 
     // Per-thread copy streams. The K loop below is unrolled over the kStages stages, so every
@@ -544,13 +558,7 @@ __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkIt
     bool b_valid[kPieces];
     #pragma unroll
     for (int j = 0; j < kPieces; ++j) {
-      const int i = tid + j * kThreads;
-      const int r = i / 8, c = i % 8;
-      const int slot = slot_begin + r;
-      b_valid[j] = slot < slot_end;
-      const int64_t src_row = !b_valid[j] ? 0 : (kIsL1 ? w.slot_token[slot] : slot);
-      b_src[j] = reinterpret_cast<const char*>(p.b_src + src_row * p.b_ld + k_begin * kChunkK + c * 8);
-      b_dst[j] = smem_u32 + Smem::kBOffset + r * 128 + ((c ^ (r & 7)) * 16);
+      b_piece<kIsL1, Smem>(p, w, k_begin, smem_u32, tid + j * kThreads, b_src[j], b_dst[j], b_valid[j]);
     }
     const uint32_t code_dst = smem_u32 + Smem::kCodeOffset + wg * kCodeBytesPerTile + wtid * 16;
     const uint32_t scale_dst = smem_u32 + Smem::kScaleOffset + wg * kScaleBytesPerTile + wtid * 16;
@@ -772,9 +780,8 @@ __device__ __forceinline__ void overlapped_k_loop(int n, float (&acc)[kAcc],
 // (C7512, v8).
 template <int kNarrow, int kBlockN, class F>
 __device__ __forceinline__ void with_two_token_widths(int rows, F&& f) {
-  if constexpr (kNarrow >= kBlockN) {
-    f(std::integral_constant<int, kBlockN>{});
-  } else if (rows <= kNarrow) {
+  static_assert(kNarrow < kBlockN, "two distinct token widths");
+  if (rows <= kNarrow) {
     f(std::integral_constant<int, kNarrow>{});
   } else {
     f(std::integral_constant<int, kBlockN>{});
@@ -817,13 +824,7 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
   bool b_valid[kPieces];
   #pragma unroll
   for (int j = 0; j < kPieces; ++j) {
-    const int i = tid + j * kThreads;
-    const int r = i / 8, c = i % 8;
-    const int slot = w.slot_begin + r;
-    b_valid[j] = slot < w.slot_end;
-    const int64_t src_row = !b_valid[j] ? 0 : (kIsL1 ? w.slot_token[slot] : slot);
-    b_src[j] = reinterpret_cast<const char*>(p.b_src + src_row * p.b_ld + k_begin * kChunkK + c * 8);
-    b_dst[j] = smem_u32 + Smem::kBOffset + r * 128 + ((c ^ (r & 7)) * 16);
+    b_piece<kIsL1, Smem>(p, w, k_begin, smem_u32, tid + j * kThreads, b_src[j], b_dst[j], b_valid[j]);
   }
   const uint32_t code_dst = smem_u32 + Smem::kCodeOffset + wg * kCodeBytesPerTile + wtid * 16;
   const uint32_t scale_dst = smem_u32 + Smem::kScaleOffset + wg * kScaleBytesPerTile + wtid * 16;
