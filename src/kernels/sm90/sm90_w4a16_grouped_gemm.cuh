@@ -444,11 +444,12 @@ __device__ __forceinline__ void store_tile(const W4a16GemmParams& p, const float
     // Atomic combine. The columns' tokens and routing weights are loaded in batches ahead of
     // their atomics: a load after an atomic add to a float* that may alias slot_weight cannot
     // move above it, so loading per column made one global-load round trip per column (32 per
-    // 128-token tile, in sequence). Measured on one item per CTA of K = 2048 (H100): the tile ran
-    // at 49% of the tensor rate with that epilogue, 77% with none.
+    // 128-token tile, in sequence). On items of K = 2048 (megamoe_mainloop_probe, H100) the
+    // 128-token tile ran at 49% of the tensor rate with that epilogue, 54% with this one, and 77%
+    // with none (docs/perf/2026-11-21-h100-w4a16-v15.md).
     constexpr int kColumns = kBlockN / 4;  // this thread's columns 8i + 2t + c: index 2i + c
     // 32 registers of tokens and weights in flight; 16 next to the 160-token tile's 80
-    // accumulators (32 made ptxas spill 136 bytes more there).
+    // accumulators (there, batches of 16 spilled 164 bytes, batches of 8 spill 104).
     constexpr int kBatch = kBlockN > 128 ? 8 : 16;
     #pragma unroll
     for (int first = 0; first < kColumns; first += kBatch) {
