@@ -520,6 +520,35 @@ __device__ __forceinline__ void b_piece(const W4a16GemmParams& p, const WorkItem
   dst = smem_u32 + Smem::kBOffset + r * 128 + ((c ^ (r & 7)) * 16);
 }
 
+// A thread's weight streams for one work item: its 16 code bytes (and, for 16 threads of the
+// warpgroup, 16 scale bytes) of 64-row tile a_tile0's first chunk, their shared-memory
+// destinations, and the consumer reads of its A fragments' codes and scales, all at stage 0 (a
+// stage adds a constant). code_bias offsets the code source (gemm_item's chunk pairs).
+struct WeightStreams {
+  const uint8_t* code_src;
+  const uint8_t* scale_src;
+  uint32_t code_dst, scale_dst;
+  const uint8_t* code_lds;
+  const uint8_t* scale_lds;
+  bool copies_scales;
+};
+template <class Smem>
+__device__ __forceinline__ WeightStreams weight_streams(const W4a16GemmParams& p, int expert, int64_t a_tile0,
+                                                        uint8_t* smem, int wg, int wtid, int code_bias) {
+  using namespace w4a16;
+  const int warp = wtid / 32, g = wtid % 32 / 4;
+  const uint32_t smem_u32 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  WeightStreams s;
+  s.code_src = p.codes + expert * p.code_expert_stride + a_tile0 * kCodeBytesPerTile + wtid * 16 + code_bias;
+  s.scale_src = p.scales + expert * p.scale_expert_stride + a_tile0 * kScaleBytesPerTile + wtid * 16;
+  s.code_dst = smem_u32 + Smem::kCodeOffset + wg * kCodeBytesPerTile + wtid * 16;
+  s.scale_dst = smem_u32 + Smem::kScaleOffset + wg * kScaleBytesPerTile + wtid * 16;
+  s.code_lds = smem + Smem::kCodeOffset + wg * kCodeBytesPerTile + wtid * 16;
+  s.scale_lds = smem + Smem::kScaleOffset + wg * kScaleBytesPerTile + (warp * 8 + g) * 8;
+  s.copies_scales = wtid < kScaleBytesPerTile / 16;
+  return s;
+}
+
 // Runs one work item with the whole CTA: mainloop over its K slice, then after_mainloop() (every
 // thread; the schedulers claim their next item there), then the epilogue. The caller's barrier
 // after it hands the shared-memory stages to the next item.
@@ -578,9 +607,7 @@ __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkIt
     // offsets, -1 KiB and +1 KiB, fit the LDGSTS immediate; two chunks further (4 KiB) made
     // ptxas add a 64-bit offset per copy.
     constexpr int kCodeBias = (kGroup - 1) * kCodeBytesPerTile / 2;
-    const uint8_t* code_src = p.codes + e * p.code_expert_stride + a_tile0 * kCodeBytesPerTile + wtid * 16 + kCodeBias;
-    const uint8_t* scale_src = p.scales + e * p.scale_expert_stride + a_tile0 * kScaleBytesPerTile + wtid * 16;
-    const bool copies_scales = wtid < kScaleBytesPerTile / 16;
+    WeightStreams ws = weight_streams<Smem>(p, e, a_tile0, smem, wg, wtid, kCodeBias);
     const char* b_src[kPieces];
     uint32_t b_dst[kPieces];
     bool b_valid[kPieces];
@@ -588,11 +615,6 @@ __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkIt
     for (int j = 0; j < kPieces; ++j) {
       b_piece<kIsL1, Smem>(p, w, k_begin, smem_u32, tid + j * kThreads, b_src[j], b_dst[j], b_valid[j]);
     }
-    const uint32_t code_dst = smem_u32 + Smem::kCodeOffset + wg * kCodeBytesPerTile + wtid * 16;
-    const uint32_t scale_dst = smem_u32 + Smem::kScaleOffset + wg * kScaleBytesPerTile + wtid * 16;
-    // Shared-memory reads of the consumers (stage 0; stage s adds a constant).
-    const uint8_t* code_lds = smem + Smem::kCodeOffset + wg * kCodeBytesPerTile + wtid * 16;
-    const uint8_t* scale_lds = smem + Smem::kScaleOffset + wg * kScaleBytesPerTile + (warp * 8 + g) * 8;
     const uint64_t b_desc0 = detail::make_sw128_desc(smem + Smem::kBOffset);  // stage 0
 
     // Copies chunk (round base + kOffset) into stage kOffset % kStages; kOffset < 2 * kStages.
@@ -601,10 +623,10 @@ __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkIt
       constexpr int kOffset = decltype(offset)::value;
       constexpr int kStage = kOffset % kStages;
       constexpr int kInGroup = kOffset % kGroup;
-      detail::cp_async_16(code_dst + kStage * Smem::kCodeStageBytes,
-                          code_src + kInGroup * kCodeBytesPerTile - kCodeBias, true);
-      if (copies_scales) {
-        detail::cp_async_16(scale_dst + kStage * Smem::kScaleStageBytes, scale_src + kInGroup * kScaleBytesPerTile, true);
+      detail::cp_async_16(ws.code_dst + kStage * Smem::kCodeStageBytes,
+                          ws.code_src + kInGroup * kCodeBytesPerTile - kCodeBias, true);
+      if (ws.copies_scales) {
+        detail::cp_async_16(ws.scale_dst + kStage * Smem::kScaleStageBytes, ws.scale_src + kInGroup * kScaleBytesPerTile, true);
       }
       #pragma unroll
       for (int j = 0; j < kPieces; ++j) {
@@ -624,8 +646,8 @@ __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkIt
       if (static_cast<int>(decltype(s)::value) < n) load(s);
       if constexpr ((decltype(s)::value + 1) % kGroup == 0) {
         detail::cp_async_commit();
-        code_src += kGroup * kCodeBytesPerTile;
-        scale_src += kGroup * kScaleBytesPerTile;
+        ws.code_src += kGroup * kCodeBytesPerTile;
+        ws.scale_src += kGroup * kScaleBytesPerTile;
       }
     });
 
@@ -639,8 +661,8 @@ __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkIt
       uint32_t a[kChunks][kStepsPerChunk][4];
       #pragma unroll
       for (int j = 0; j < kChunks; ++j) {
-        const uint4 q = *reinterpret_cast<const uint4*>(code_lds + (kFirstStage + j) * Smem::kCodeStageBytes);
-        const uint2 sc = *reinterpret_cast<const uint2*>(scale_lds + (kFirstStage + j) * Smem::kScaleStageBytes);
+        const uint4 q = *reinterpret_cast<const uint4*>(ws.code_lds + (kFirstStage + j) * Smem::kCodeStageBytes);
+        const uint2 sc = *reinterpret_cast<const uint2*>(ws.scale_lds + (kFirstStage + j) * Smem::kScaleStageBytes);
         const uint32_t words[4] = {q.x, q.y, q.z, q.w};
         const uint32_t scale_words[2] = {sc.x, sc.y};  // steps (0, 1) and (2, 3)
         detail::static_for<kStepsPerChunk>([&](auto step) {
@@ -710,8 +732,8 @@ __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkIt
           });
         }
         detail::cp_async_commit();
-        code_src += kGroup * kCodeBytesPerTile;
-        scale_src += kGroup * kScaleBytesPerTile;
+        ws.code_src += kGroup * kCodeBytesPerTile;
+        ws.scale_src += kGroup * kScaleBytesPerTile;
         compute_chunks(std::integral_constant<int, kGroup>{}, std::integral_constant<int, kFirst>{});
       });
       #pragma unroll
@@ -844,9 +866,7 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
   const bool copies_last_piece = tid + (kPieces - 1) * kThreads < kBlockN * 8;
   const auto [k_begin, n] = item_chunks(p, w);
   const int64_t a_tile0 = static_cast<int64_t>(m_tile) * p.k_chunks + k_begin;
-  const uint8_t* code_src = p.codes + w.expert * p.code_expert_stride + a_tile0 * kCodeBytesPerTile + wtid * 16;
-  const uint8_t* scale_src = p.scales + w.expert * p.scale_expert_stride + a_tile0 * kScaleBytesPerTile + wtid * 16;
-  const bool copies_scales = wtid < kScaleBytesPerTile / 16;
+  WeightStreams ws = weight_streams<Smem>(p, w.expert, a_tile0, smem, wg, wtid, 0);
   const char* b_src[kPieces];
   uint32_t b_dst[kPieces];
   bool b_valid[kPieces];
@@ -854,16 +874,12 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
   for (int j = 0; j < kPieces; ++j) {
     b_piece<kIsL1, Smem>(p, w, k_begin, smem_u32, tid + j * kThreads, b_src[j], b_dst[j], b_valid[j]);
   }
-  const uint32_t code_dst = smem_u32 + Smem::kCodeOffset + wg * kCodeBytesPerTile + wtid * 16;
-  const uint32_t scale_dst = smem_u32 + Smem::kScaleOffset + wg * kScaleBytesPerTile + wtid * 16;
-  const uint8_t* code_lds = smem + Smem::kCodeOffset + wg * kCodeBytesPerTile + wtid * 16;
-  const uint8_t* scale_lds = smem + Smem::kScaleOffset + wg * kScaleBytesPerTile + (warp * 8 + g) * 8;
   const uint64_t b_desc0 = detail::make_sw128_desc(smem + Smem::kBOffset);
   auto load = [&](auto offset) {
     constexpr int kOffset = decltype(offset)::value;
     constexpr int kStage = kOffset % kStages;
-    detail::cp_async_16(code_dst + kStage * Smem::kCodeStageBytes, code_src, true);
-    if (copies_scales) detail::cp_async_16(scale_dst + kStage * Smem::kScaleStageBytes, scale_src, true);
+    detail::cp_async_16(ws.code_dst + kStage * Smem::kCodeStageBytes, ws.code_src, true);
+    if (ws.copies_scales) detail::cp_async_16(ws.scale_dst + kStage * Smem::kScaleStageBytes, ws.scale_src, true);
     #pragma unroll
     for (int j = 0; j < kPieces; ++j) {
       if (j + 1 < kPieces || copies_last_piece)
@@ -871,8 +887,8 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
     }
   };
   auto next_weights = [&] {
-    code_src += kCodeBytesPerTile;
-    scale_src += kScaleBytesPerTile;
+    ws.code_src += kCodeBytesPerTile;
+    ws.scale_src += kScaleBytesPerTile;
   };
   auto next_round = [&] {
     #pragma unroll
@@ -888,7 +904,7 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
     float (&acc)[kAcc] = *reinterpret_cast<float(*)[kAcc]>(acc_all);
     #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
-    overlapped_k_loop<Smem, typename detail::WgmmaRS<kWidth>::Op, kStages>(n, acc, a, code_lds, scale_lds, b_desc0,
+    overlapped_k_loop<Smem, typename detail::WgmmaRS<kWidth>::Op, kStages>(n, acc, a, ws.code_lds, ws.scale_lds, b_desc0,
                                                                           load, next_weights, next_round);
     detail::cp_async_wait<0>();
     after_mainloop();
