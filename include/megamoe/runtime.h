@@ -36,14 +36,19 @@ struct GemmConfig {
   // Tokens an expert's last tile may hold beyond the others: tiles step by block_n - last_tile_extra
   // tokens, and a remainder of up to last_tile_extra tokens joins the last full tile.
   int last_tile_extra = 0;
+  // Each warpgroup decodes a k16 step while its previous step's wgmma runs (the overlapped K loop,
+  // sm90_w4a16_grouped_gemm.cuh), at two token widths: block_n and a narrower one.
+  bool overlapped = false;
   int tile_step() const { return block_n - last_tile_extra; }
   std::string to_string() const;
 };
 // The prefill tile: two warpgroups (BLOCK_M = 128) on a 128-token tile, two CTAs per SM.
 inline constexpr GemmConfig kPrefillTile{2, 128, 4};
+// The same tile with the overlapped K loop, for experts of many tokens (token widths 64 and 128).
+inline constexpr GemmConfig kOverlappedPrefillTile{2, 128, 4, 1, 0, true};
 // The absorbing prefill tile: four warpgroups (BLOCK_M = 256), 128-token tiles of which an
 // expert's last takes up to 32 tokens more (sm90_w4a16_grouped_gemm.cuh, gemm_item_overlapped).
-inline constexpr GemmConfig kAbsorbingTile{4, 160, 6, 1, 32};
+inline constexpr GemmConfig kAbsorbingTile{4, 160, 6, 1, 32, true};
 // The decode tiles the fused L1 + L2 launch is built for: the 16-token tile (the heuristic's
 // fused choice, and the one a forced fused launch runs) and the 32-token tile (where it decodes
 // fewer weights; see sm90_moe_heuristics.cpp).

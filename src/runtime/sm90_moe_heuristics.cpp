@@ -6,9 +6,10 @@
 // weight decodes) keeps the accumulator and the B stage small so 6-8 stage pipelines and 4-6
 // CTAs per SM run. Many tokens per expert (prefill): two
 // consumer warpgroups share a 128-token B tile, halving the B traffic per decoded weight and
-// giving the tensor cores long wgmma runs; where an expert's remainder past its 128-token tiles
-// is usually short and K is long, the absorbing tile (kAbsorbingTile) folds it into the last
-// tile. Within a tile, each work item runs at the narrowest
+// giving the tensor cores long wgmma runs; from 256 tokens per expert its warpgroups overlap
+// each k16 step's decode with the previous step's wgmma (kOverlappedPrefillTile); where an
+// expert's remainder past its 128-token tiles is usually short and K is long, the absorbing tile
+// (kAbsorbingTile) folds it into the last tile. Within a tile, each work item runs at the narrowest
 // token width that holds its slots (the kernel's choice, not this heuristic's). On the 16- and
 // 32-token tiles both GEMMs run as one persistent launch where L1's items end in a partial wave
 // (0.6-4.5 waves of the 16-token tile's CTA slots, up to 4.8 of the 32-token tile's): L2 items
@@ -27,6 +28,7 @@ std::string GemmConfig::to_string() const {
   os << "BLOCK_M=" << 64 * warpgroups << " BLOCK_N=" << block_n << " stages=" << stages;
   if (last_tile_extra > 0) os << " step=" << tile_step();
   if (k_splits > 1) os << " k_splits=" << k_splits;
+  if (overlapped) os << " overlapped";
   return os.str();
 }
 
@@ -48,7 +50,7 @@ bool can_absorb(const MoeProblem& problem) {
 
 bool MoeConfig::can_fuse() const {
   auto same_tile = [](const GemmConfig& a, const GemmConfig& b) {
-    return a.warpgroups == b.warpgroups && a.block_n == b.block_n && a.stages == b.stages;
+    return a.warpgroups == b.warpgroups && a.block_n == b.block_n && a.stages == b.stages && a.overlapped == b.overlapped;
   };
   return same_tile(l1, l2) && (same_tile(l1, kFusedTile) || same_tile(l1, kFusedTile32));
 }
@@ -214,6 +216,18 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
       cfg.l1 = kAbsorbingTile;
       cfg.l2 = kAbsorbingTile;
     }
+  }
+  // The 128-token tile's overlapped K loop from 256 tokens per expert: each warpgroup decodes a
+  // k16 step while its previous step's wgmma runs, instead of decoding a chunk and then waiting
+  // for its wgmmas. Its two token widths (64, 128) waste more of an expert's last tile than the
+  // plain tile's four (32 .. 128), which costs most where an expert has one or two tiles. H100,
+  // interleaved, two rounds (us, plain -> overlapped): DeepSeek-V3 routed T=16384 (512 per
+  // expert) 21298/21406 -> 20165/20131, Qwen3-30B T=4096 (256) 715.5/715.1 -> 697.5/696.9,
+  // T=16384 (1024) 2632/2687 -> 2676/2691; but Qwen3-30B T=1024 (64) 255.8/256.8 -> 270.9/269.8.
+  if (cfg.l1.block_n == prefill.block_n && cfg.l1.last_tile_extra == 0 && cfg.l2.block_n == prefill.block_n &&
+      per_expert >= 256) {
+    cfg.l1 = kOverlappedPrefillTile;
+    cfg.l2 = kOverlappedPrefillTile;
   }
   return cfg;
 }

@@ -272,7 +272,7 @@ MoeConfig MoePlan::config(int64_t tokens) const {
                     "MoeTuning.absorbing_tile has no early start: it cannot be set with MoeTuning.early_start = true");
       cfg.l1 = kAbsorbingTile;
       cfg.l2 = GemmConfig{kAbsorbingTile.warpgroups, kAbsorbingTile.block_n, kAbsorbingTile.stages, cfg.l2.k_splits,
-                          kAbsorbingTile.last_tile_extra};
+                          kAbsorbingTile.last_tile_extra, kAbsorbingTile.overlapped};
       cfg.fused = false;
       cfg.early_start = false;
     } else if (cfg.l1.last_tile_extra > 0) {
@@ -349,10 +349,10 @@ int prepare_kernel(Kernel* kernel, int threads, int smem_bytes) {
   return std::max(n, 1);
 }
 
-template <bool kIsL1, int kWG, int kBN, int kStages, int kMinBlocksPerSm>
+template <bool kIsL1, int kWG, int kBN, int kStages, int kMinBlocksPerSm, bool kOverlapped = false>
 void launch_gemm(const k90::W4a16GemmParams& params, int num_sms, int64_t max_work, cudaStream_t stream) {
   using Smem = k90::W4a16SmemLayout<kWG, kBN, kStages>;
-  auto* kernel = &k90::w4a16_grouped_gemm_kernel<kIsL1, kWG, kBN, kStages, kMinBlocksPerSm>;
+  auto* kernel = &k90::w4a16_grouped_gemm_kernel<kIsL1, kWG, kBN, kStages, kMinBlocksPerSm, kOverlapped>;
   static const int blocks_per_sm = prepare_kernel(kernel, kWG * 128, Smem::kAllocBytes);
   const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(int64_t{num_sms} * blocks_per_sm, max_work));
   launch_dependent(kernel, static_cast<unsigned>(grid), kWG * 128, Smem::kAllocBytes, stream, params);
@@ -372,10 +372,14 @@ void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params,
   // (<= 128 registers). Stage counts are chosen so that shared memory allows as many CTAs as
   // registers do (the 64-token tile excepted: 3 CTAs, four stages for 4 CTAs measured slower,
   // T=1536 3685 -> 3994 us).
-  static_assert(kPrefillTile.warpgroups == 2 && kPrefillTile.block_n == 128 && kPrefillTile.stages == 4,
+  static_assert(kPrefillTile.warpgroups == 2 && kPrefillTile.block_n == 128 && kPrefillTile.stages == 4 &&
+                    !kPrefillTile.overlapped,
                 "kPrefillTile is the two-warpgroup 128-token tile instantiated below");
+  static_assert(kOverlappedPrefillTile.warpgroups == 2 && kOverlappedPrefillTile.block_n == 128 &&
+                    kOverlappedPrefillTile.stages == 4 && kOverlappedPrefillTile.overlapped,
+                "kOverlappedPrefillTile is the overlapped two-warpgroup 128-token tile instantiated below");
   static_assert(kAbsorbingTile.warpgroups == 4 && kAbsorbingTile.block_n == 160 && kAbsorbingTile.stages == 6 &&
-                    kAbsorbingTile.last_tile_extra == 32,
+                    kAbsorbingTile.last_tile_extra == 32 && kAbsorbingTile.overlapped,
                 "kAbsorbingTile is the absorbing tile instantiated below");
   static_assert(k90::detail::kTileStep<kAbsorbingTile.block_n> == kAbsorbingTile.block_n - kAbsorbingTile.last_tile_extra,
                 "the kernel's tile step (kTileStep) must be kAbsorbingTile's");
@@ -383,6 +387,10 @@ void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params,
                 "kFusedTile is the 16-token tile instantiated below");
   static_assert(kFusedTile32.warpgroups == 1 && kFusedTile32.block_n == 32 && kFusedTile32.stages == 6,
                 "kFusedTile32 is the 32-token tile instantiated below");
+  // The overlapped K loop: the four-warpgroup tile always, the two-warpgroup tile either way, the
+  // one-warpgroup tiles never.
+  MEGAMOE_CHECK(c.overlapped == (c.warpgroups == 4) || c.warpgroups == 2, kInternal,
+                "no kernel instantiated for GEMM config ", c.to_string());
   if (c.warpgroups == 1 && c.block_n == 16 && c.stages == 8) {
     launch_gemm<kIsL1, 1, 16, 8, kFusedTileCtasPerSm>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 1 && c.block_n == 32 && c.stages == 6) {
@@ -393,10 +401,14 @@ void launch_gemm_config(const GemmConfig& c, const k90::W4a16GemmParams& params,
     launch_gemm<kIsL1, 1, 64, 6, 4>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 4 && c.block_n == 160 && c.stages == 6 && c.last_tile_extra == 32) {
     // One CTA (four warpgroups, 512 threads at <= 128 registers) per SM.
-    launch_gemm<kIsL1, 4, 160, 6, 1>(params, num_sms, max_work, stream);
+    launch_gemm<kIsL1, 4, 160, 6, 1, true>(params, num_sms, max_work, stream);
   } else if (c.warpgroups == 2 && c.block_n == 128 && c.stages == 4) {
     // Two CTAs (four warpgroups) per SM: one warpgroup's wgmmas run while another decodes.
-    launch_gemm<kIsL1, 2, 128, 4, 2>(params, num_sms, max_work, stream);
+    if (c.overlapped) {
+      launch_gemm<kIsL1, 2, 128, 4, 2, true>(params, num_sms, max_work, stream);
+    } else {
+      launch_gemm<kIsL1, 2, 128, 4, 2>(params, num_sms, max_work, stream);
+    }
   } else {
     MEGAMOE_FAIL(kInternal, "no kernel instantiated for GEMM config ", c.to_string());
   }

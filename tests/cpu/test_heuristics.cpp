@@ -44,6 +44,23 @@ TEST(Heuristics, TokenTileFollowsTokensPerExpert) {
   EXPECT_EQ(prefill.last_tile_extra, 0);
 }
 
+// The 128-token tile's overlapped K loop from 256 tokens per expert, in both GEMMs.
+TEST(Heuristics, OverlappedPrefillTileForManyTokensPerExpert) {
+  const MoeProblem dsv3 = deepseek_v3(), qwen3 = qwen3_30b();
+  for (const MoeConfig& c : {choose_moe_config(dsv3, 16384), choose_moe_config(qwen3, 4096),
+                             choose_moe_config(qwen3, 16384)}) {
+    EXPECT_TRUE(c.l1.overlapped) << c.to_string();
+    EXPECT_TRUE(c.l2.overlapped) << c.to_string();
+    EXPECT_EQ(c.l1.warpgroups, 2) << c.to_string();
+    EXPECT_NE(c.to_string().find("overlapped"), std::string::npos) << c.to_string();
+  }
+  EXPECT_FALSE(choose_moe_config(dsv3, 6144).l1.overlapped);   // 192 per expert
+  EXPECT_FALSE(choose_moe_config(qwen3, 1024).l1.overlapped);  // 64 per expert: widths 64 / 128 waste
+  EXPECT_FALSE(choose_moe_config(qwen3, 2048).l1.overlapped);  // 128 per expert
+  EXPECT_TRUE(choose_moe_config(dsv3, 4096).l1.overlapped);    // the absorbing tile, always overlapped
+  EXPECT_FALSE(choose_moe_config(dsv3, 1024).l1.overlapped);
+}
+
 // The absorbing tile where an expert's remainder of up to 32 tokens is common and K is long.
 TEST(Heuristics, AbsorbingTileWhereRemaindersAreShort) {
   const MoeProblem p = deepseek_v3();

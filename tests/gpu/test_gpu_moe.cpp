@@ -135,6 +135,10 @@ INSTANTIATE_TEST_SUITE_P(
         // expert. 128-token tile (120/expert): widths 32, 64, 96, 128.
         Case{"token_widths_prefill", 256, 128, 8, 1, 963, 0, std::nullopt, -1,
              testing::ScaleCodes::kRealistic, {129, 161, 225, 192, 96, 32, 0, 128}},
+        // The overlapped 128-token tile (300/expert): last items of 1, 64 (width 64), 65, 128
+        // and 30 tokens (width 128 but 30), whole tiles only, an empty expert.
+        Case{"token_widths_overlapped", 256, 128, 8, 1, 2400, 0, std::nullopt, -1,
+             testing::ScaleCodes::kRealistic, {257, 320, 321, 384, 448, 256, 0, 414}},
         // 48-token tile (32.5/expert): widths 16, 32, 48.
         Case{"token_widths_tile48", 256, 128, 8, 1, 260, 0, std::nullopt, -1,
              testing::ScaleCodes::kRealistic, {1, 16, 17, 32, 33, 48, 49, 64}},

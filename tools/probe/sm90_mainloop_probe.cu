@@ -169,7 +169,7 @@ void wgmma_rate(const char* name, int sms, const uint32_t* words, float* out, lo
 
 // CTA b runs items (expert 0, m-block b / 4, n-tile b % 4, K slices 0 .. k_splits - 1) one after
 // the other, as a persistent CTA runs claimed items.
-template <int kWarpgroups, int kBlockN, int kStages, int kMinBlocks>
+template <int kWarpgroups, int kBlockN, int kStages, int kMinBlocks, bool kOverlapped>
 __global__ void __launch_bounds__(kWarpgroups * 128, kMinBlocks)
     mainloop_kernel(k90::W4a16GemmParams p, int width, long long* cycles) {
   uint8_t* smem = k90::detail::aligned_dynamic_smem();
@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(kWarpgroups * 128, kMinBlocks)
   const long long t0 = clock64();
   for (int s = 0; s < p.k_splits; ++s) {
     w.k_split = s;
-    if constexpr (k90::detail::kOverlapsDecode<kWarpgroups>) {
+    if constexpr (kOverlapped) {
       k90::detail::gemm_item_overlapped<false, kWarpgroups, kBlockN, kStages>(p, w, smem, [] {});
     } else {
       k90::detail::gemm_item<false, kWarpgroups, kBlockN, kStages>(p, w, smem, [] {});
@@ -198,10 +198,10 @@ struct MainloopBuffers {
   long long* cycles = nullptr;
 };
 
-template <int kWarpgroups, int kBlockN, int kStages, int kMinBlocks>
+template <int kWarpgroups, int kBlockN, int kStages, int kMinBlocks, bool kOverlapped>
 void mainloop_rate(const char* name, int sms, int width, int k_total, int items, MainloopBuffers& buf) {
   using Smem = k90::W4a16SmemLayout<kWarpgroups, kBlockN, kStages>;
-  auto* kernel = &mainloop_kernel<kWarpgroups, kBlockN, kStages, kMinBlocks>;
+  auto* kernel = &mainloop_kernel<kWarpgroups, kBlockN, kStages, kMinBlocks, kOverlapped>;
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::kAllocBytes), "smem attribute");
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100), "carveout");
   int per_sm = 0;
@@ -299,8 +299,9 @@ int main() {
   buf.cycles = cycles;
   std::printf("2. the library's L2 mainloops, atomic epilogue, items of K=16384 or 8 of K=2048 per CTA\n");
   for (int items : {1, 8}) {
-    mainloop_rate<2, 128, 4, 2>("2 warpgroups, 128 tokens, 4 stages", sms, 128, k_total, items, buf);
-    mainloop_rate<4, 160, 6, 1>("4 warpgroups, 160 tokens, 6 stages", sms, 160, k_total, items, buf);
+    mainloop_rate<2, 128, 4, 2, false>("2 warpgroups, 128 tokens, 4 stages", sms, 128, k_total, items, buf);
+    mainloop_rate<2, 128, 4, 2, true>("2 warpgroups, 128 tokens, 4 stages, overlapped", sms, 128, k_total, items, buf);
+    mainloop_rate<4, 160, 6, 1, true>("4 warpgroups, 160 tokens, 6 stages, overlapped", sms, 160, k_total, items, buf);
   }
   return 0;
 }

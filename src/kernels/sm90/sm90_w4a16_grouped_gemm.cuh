@@ -179,13 +179,6 @@ __device__ __forceinline__ void with_token_width(int rows, F&& f) {
   }
 }
 
-// Whether a tile runs the overlapped K loop (gemm_item_overlapped): each warpgroup decodes k16
-// step s while step s - 1's wgmma runs. The four-warpgroup absorbing prefill tile (BLOCK_M = 256)
-// runs one CTA per SM, where no other CTA's wgmmas fill the tensor pipe while its warpgroups
-// decode.
-template <int kWarpgroups>
-inline constexpr bool kOverlapsDecode = kWarpgroups == 4;
-
 // K chunks per pipeline group of a tile of kBlockN tokens (see gemm_item).
 template <int kBlockN>
 inline constexpr int kChunksPerGroup = kBlockN <= 64 ? 2 : 1;
@@ -412,10 +405,22 @@ __device__ __forceinline__ void for_each_valid_column(const WorkItem& w, int t, 
   }
 }
 
+// y += (x, y, z, w) for 4 consecutive floats (16-byte aligned), one vector reduction (sm_90).
+__device__ __forceinline__ void red_add_v4(float* dst, float x, float y, float z, float w) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" :: "l"(dst), "f"(x), "f"(y), "f"(z), "f"(w)
+               : "memory");
+}
+
+// The atomic combine's staging in shared memory (store_tile): per warp, kStagedColumns tokens
+// of its 16 rows, kStagedStride floats apart. 20 (not 16) puts the scalar stores of a warp's
+// (4 tokens, 8 rows) on 32 distinct banks and keeps each token's rows 16-byte aligned.
+inline constexpr int kStagedColumns = 32;
+inline constexpr int kStagedStride = 20;
+
 // Epilogue of one warpgroup's (64, BLOCK_N) tile m_tile, r0 = 16 * warp + g.
-template <bool kIsL1, int kBlockN>
+template <bool kIsL1, int kWarpgroups, int kBlockN>
 __device__ __forceinline__ void store_tile(const W4a16GemmParams& p, const float (&acc)[kBlockN / 2],
-                                           const WorkItem& w, int m_tile, int warp, int g, int t) {
+                                           const WorkItem& w, int m_tile, int warp, int g, int t, uint8_t* smem) {
   using namespace w4a16;
   const int e = w.expert;
   if constexpr (kIsL1) {
@@ -433,46 +438,104 @@ __device__ __forceinline__ void store_tile(const W4a16GemmParams& p, const float
   } else {
     const float s2 = p.s2_a[e] * kAccumulatorUnscale;  // exact, see the L1 branch
     const int64_t row0 = static_cast<int64_t>(m_tile) * kTileM + warp * 16 + g;
-    if (p.y_slot != nullptr) {
-      for_each_valid_column<kBlockN>(w, t, [&](int slot, int j0, int j1) {
-        float* y = p.y_slot + static_cast<int64_t>(slot) * p.out_ld + row0;
-        y[0] = acc[j0] * s2;
-        y[8] = acc[j1] * s2;
-      });
-      return;
-    }
-    // Atomic combine. The columns' tokens and routing weights are loaded in batches ahead of
-    // their atomics: a load after an atomic add to a float* that may alias slot_weight cannot
-    // move above it, so loading per column made one global-load round trip per column (32 per
-    // 128-token tile, in sequence). On items of K = 2048 (megamoe_mainloop_probe, H100) the
-    // 128-token tile ran at 49% of the tensor rate with that epilogue, 54% with this one, and 77%
-    // with none (docs/perf/2026-11-21-h100-w4a16-v15.md).
-    constexpr int kColumns = kBlockN / 4;  // this thread's columns 8i + 2t + c: index 2i + c
-    // 32 registers of tokens and weights in flight; 16 next to the 160-token tile's 80
-    // accumulators (there, batches of 16 spilled 164 bytes, batches of 8 spill 104).
-    constexpr int kBatch = kBlockN > 128 ? 8 : 16;
-    #pragma unroll
-    for (int first = 0; first < kColumns; first += kBatch) {
-      int32_t token[kBatch];
-      float weight[kBatch];
-      #pragma unroll
-      for (int j = 0; j < kBatch && first + j < kColumns; ++j) {
-        const int col = first + j;
-        const int slot = w.slot_begin + 8 * (col / 2) + 2 * t + col % 2;
-        const bool valid = slot < w.slot_end;
-        token[j] = valid ? p.slot_token[slot] : 0;
-        weight[j] = valid ? p.slot_weight[slot] : 0.0f;
+    if constexpr (kWarpgroups == 1) {
+      // The one-warpgroup (decode) tiles store element by element: the staged path below added
+      // 6-8 instructions per K group to their issue-bound L2 mainloops (register allocation;
+      // tests/sass/check_sass.sh), and their items are narrow, so the epilogue is small.
+      if (p.y_slot != nullptr) {
+        for_each_valid_column<kBlockN>(w, t, [&](int slot, int j0, int j1) {
+          float* y = p.y_slot + static_cast<int64_t>(slot) * p.out_ld + row0;
+          y[0] = acc[j0] * s2;
+          y[8] = acc[j1] * s2;
+        });
+        return;
       }
+      // Atomic combine. The columns' tokens and routing weights are loaded in batches of 16 ahead
+      // of their atomics: a load after an atomic add to a float* that may alias slot_weight
+      // cannot move above it, so loading per column made one global-load round trip per column
+      // in sequence (docs/perf/2026-11-21-h100-w4a16-v15.md).
+      constexpr int kColumns = kBlockN / 4;  // this thread's columns 8i + 2t + c: index 2i + c
+      constexpr int kBatch = 16;
       #pragma unroll
-      for (int j = 0; j < kBatch && first + j < kColumns; ++j) {
-        const int col = first + j, i = col / 2, c = col % 2;
-        if (w.slot_begin + 8 * i + 2 * t + c < w.slot_end) {
-          // Same order as the semantics: y = acc * s2, then times the routing weight.
-          float* o = p.out_acc + static_cast<int64_t>(token[j]) * p.out_ld + row0;
-          atomicAdd(o, (acc[4 * i + c] * s2) * weight[j]);
-          atomicAdd(o + 8, (acc[4 * i + 2 + c] * s2) * weight[j]);
+      for (int first = 0; first < kColumns; first += kBatch) {
+        int32_t token[kBatch];
+        float weight[kBatch];
+        #pragma unroll
+        for (int j = 0; j < kBatch && first + j < kColumns; ++j) {
+          const int col = first + j;
+          const int slot = w.slot_begin + 8 * (col / 2) + 2 * t + col % 2;
+          const bool valid = slot < w.slot_end;
+          token[j] = valid ? p.slot_token[slot] : 0;
+          weight[j] = valid ? p.slot_weight[slot] : 0.0f;
+        }
+        #pragma unroll
+        for (int j = 0; j < kBatch && first + j < kColumns; ++j) {
+          const int col = first + j, i = col / 2, c = col % 2;
+          if (w.slot_begin + 8 * i + 2 * t + c < w.slot_end) {
+            // Same order as the semantics: y = acc * s2, then times the routing weight.
+            float* o = p.out_acc + static_cast<int64_t>(token[j]) * p.out_ld + row0;
+            atomicAdd(o, (acc[4 * i + c] * s2) * weight[j]);
+            atomicAdd(o + 8, (acc[4 * i + 2 + c] * s2) * weight[j]);
+          }
         }
       }
+      return;
+    }
+    // Both combines go through a transpose in shared memory. The accumulators give a thread two
+    // rows (r0, r0 + 8) of many tokens, so storing them as they lie takes one 4-byte access per
+    // element (a warp's instruction: 4 tokens x 8 rows). Staged per warp as (token, 16 rows)
+    // columns, a lane holds 4 consecutive rows of one token and writes them with one 16-byte
+    // access: a quarter of the instructions. Atomic combine: red.global.add.v4.f32 (sm_90) into
+    // out_acc[token]; deterministic: a store to y_slot[slot] (the combine kernel sums the slots
+    // in a fixed order). On items of K = 2048 (megamoe_mainloop_probe, H100) the 128-token tile
+    // ran at 54% of the tensor rate with per-element atomics and 64% with these.
+    // The staging reuses the B stages, free once every warpgroup is past its last wgmma (the
+    // barrier below); the caller's barrier after the item hands them back to the next item.
+    constexpr int kCols = kBlockN % kStagedColumns == 0 ? kStagedColumns : 16;  // tokens per staging pass
+    const int lane = threadIdx.x % 32;
+    float* const staging = reinterpret_cast<float*>(smem) + (threadIdx.x / 32) * kStagedColumns * kStagedStride;
+    const int quad = lane % 4;                    // rows 4 * quad .. + 3 of the warp's 16
+    const int64_t rows = row0 - g + 4 * quad;     // row0 - g: the warp's first row
+    const bool to_slots = p.y_slot != nullptr;
+    __syncthreads();
+    #pragma unroll
+    for (int first = 0; first < kBlockN; first += kCols) {
+      // This lane's rows in the pass: columns first + 8 j + lane / 4, their destination row
+      // (token or slot, -1 past the item's slots) and routing weight. Loaded before the staging
+      // stores, so their round trip overlaps them.
+      int32_t dst_row[kCols / 8];
+      float weight[kCols / 8];
+      #pragma unroll
+      for (int j = 0; j < kCols / 8; ++j) {
+        const int slot = w.slot_begin + first + 8 * j + lane / 4;
+        const bool valid = slot < w.slot_end;
+        dst_row[j] = !valid ? -1 : (to_slots ? slot : p.slot_token[slot]);
+        weight[j] = valid && !to_slots ? p.slot_weight[slot] : 0.0f;
+      }
+      // Same order as the semantics: y = acc * s2 here, times the routing weight below.
+      #pragma unroll
+      for (int i = first / 8; i < (first + kCols) / 8; ++i) {
+        #pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          float* col = staging + (8 * i - first + 2 * t + c) * kStagedStride;
+          col[g] = acc[4 * i + c] * s2;
+          col[g + 8] = acc[4 * i + 2 + c] * s2;
+        }
+      }
+      __syncwarp();
+      #pragma unroll
+      for (int j = 0; j < kCols / 8; ++j) {
+        if (dst_row[j] >= 0) {
+          const float4 y = *reinterpret_cast<const float4*>(staging + (8 * j + lane / 4) * kStagedStride + 4 * quad);
+          const int64_t offset = static_cast<int64_t>(dst_row[j]) * p.out_ld + rows;
+          if (to_slots) {
+            *reinterpret_cast<float4*>(p.y_slot + offset) = y;
+          } else {
+            red_add_v4(p.out_acc + offset, y.x * weight[j], y.y * weight[j], y.z * weight[j], y.w * weight[j]);
+          }
+        }
+      }
+      __syncwarp();  // the next pass overwrites the staging
     }
   }
 }
@@ -492,6 +555,8 @@ struct W4a16SmemLayout {
   static constexpr int kAllocBytes = kBytes + 1024;  // room to align the base to 1024 B
   static_assert(kBTileBytes % 1024 == 0,
                 "BLOCK_N must be a multiple of 8 so each B stage is whole 1024-byte swizzle atoms");
+  static_assert(kWarpgroups * 4 * detail::kStagedColumns * detail::kStagedStride * 4 <= kStages * kBTileBytes,
+                "the atomic combine's staging (store_tile) must fit in the B stages: add stages or tokens");
 };
 
 namespace detail {
@@ -742,7 +807,7 @@ __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkIt
     detail::cp_async_wait<0>();
 
     after_mainloop();
-    detail::store_tile<kIsL1, kWidth>(p, acc, w, m_tile, warp, g, t);
+    detail::store_tile<kIsL1, kWarpgroups, kWidth>(p, acc, w, m_tile, warp, g, t, smem);
   });
 }
 
@@ -838,22 +903,28 @@ __device__ __forceinline__ void with_two_token_widths(int rows, F&& f) {
   }
 }
 
-// gemm_item for the overlapped tiles (kOverlapsDecode): the absorbing prefill tile. Its items are
-// 128-token tiles, but an expert's last tile takes up to 32 tokens more
-// (expert_token_tiles): at DeepSeek-V3 T=4096 an expert has 128 +- 11 tokens, and a remainder of
-// a few tokens as an item of its own decoded every weight again (ncu: the remainder items took
-// ~20% of L1's time). Widths 128 and 160. Four warpgroups (BLOCK_M = 256) share one (BLOCK_N, 64)
-// B stage, and each overlaps its decode with its wgmmas (overlapped_k_loop). The copy state is
-// set up once for all BLOCK_N rows, outside the token width (per-width copy state cost registers
-// per width). Rows past the item's slots are zero-filled (src-size 0, no global read).
+// gemm_item for the overlapped tiles: each warpgroup overlaps its decode with its wgmmas
+// (overlapped_k_loop) at two token widths (with_two_token_widths). Two tiles:
+// - the absorbing tile (four warpgroups, BLOCK_M = 256, one CTA per SM, where no other CTA's
+//   wgmmas fill the tensor pipe while its warpgroups decode): items of 128 tokens, but an
+//   expert's last takes up to 32 tokens more (expert_token_tiles): at DeepSeek-V3 T=4096 an
+//   expert has 128 +- 11 tokens, and a remainder of a few tokens as an item of its own decoded
+//   every weight again (ncu: the remainder items took ~20% of L1's time). Widths 128 and 160.
+// - the 128-token tile (two warpgroups, two CTAs per SM) for experts of many tokens: widths 64
+//   and 128 (sm90_moe_heuristics.cpp).
+// The warpgroups share one (BLOCK_N, 64) B stage. The copy state is set up once for all BLOCK_N
+// rows, outside the token width (per-width copy state cost registers per width). Rows past the
+// item's slots are zero-filled (src-size 0, no global read).
 template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, class AfterMainloop>
 __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, const WorkItem& w, uint8_t* smem,
                                                      AfterMainloop&& after_mainloop) {
   using namespace w4a16;
   using Smem = W4a16SmemLayout<kWarpgroups, kBlockN, kStages>;
   constexpr int kThreads = kWarpgroups * kThreadsPerWarpgroup;
-  static_assert(kBlockN == 160, "the overlapped item is the absorbing tile: 128-token items, the last up to 160");
-  constexpr int kNarrow = 128;
+  // The absorbing tile's items are 128 tokens, its experts' last up to 160; the 128-token tile's
+  // last items run at 64 tokens where they hold that few.
+  constexpr int kNarrow = kBlockN == 160 ? 128 : kBlockN / 2;
+  static_assert(kBlockN == 160 || kBlockN == 128, "the overlapped tiles: the absorbing tile and the 128-token tile");
   const uint32_t smem_u32 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int tid = threadIdx.x;
   const int wg = tid / kThreadsPerWarpgroup, wtid = tid % kThreadsPerWarpgroup;
@@ -908,15 +979,17 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
                                                                           load, next_weights, next_round);
     detail::cp_async_wait<0>();
     after_mainloop();
-    detail::store_tile<kIsL1, kWidth>(p, acc, w, m_tile, warp, g, t);
+    detail::store_tile<kIsL1, kWarpgroups, kWidth>(p, acc, w, m_tile, warp, g, t, smem);
   });
 }
 
 }  // namespace detail
 
-template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, int kMinBlocksPerSm>
+// kOverlapped: the items run the overlapped K loop (gemm_item_overlapped), else gemm_item's.
+template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, int kMinBlocksPerSm, bool kOverlapped>
 __global__ void __launch_bounds__(kWarpgroups * w4a16::kThreadsPerWarpgroup, kMinBlocksPerSm)
 w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
+  static_assert(!kOverlapped || kWarpgroups >= 2, "the overlapped K loop is built for the two- and four-warpgroup tiles");
   uint8_t* smem = detail::aligned_dynamic_smem();
   const int tid = threadIdx.x;
   __shared__ detail::EarlyStart early;
@@ -954,7 +1027,7 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
       grid_dependency_wait();  // early start: the dispatch's counter and schedule from here on
       if (tid == 0) next_work = detail::claim_work(p.work_counter);
     };
-    if constexpr (detail::kOverlapsDecode<kWarpgroups>) {
+    if constexpr (kOverlapped) {
       detail::gemm_item_overlapped<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem, claim);
     } else {
       detail::gemm_item<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem, claim);
