@@ -270,9 +270,10 @@ MoeConfig MoePlan::config(int64_t tokens) const {
                     "MoeTuning.absorbing_tile runs two launches: it cannot be set with MoeTuning.fused = true");
       MEGAMOE_CHECK(!tuning_.early_start || !*tuning_.early_start, kInvalidArgument,
                     "MoeTuning.absorbing_tile has no early start: it cannot be set with MoeTuning.early_start = true");
+      const int l2_k_splits = cfg.l2.k_splits;  // the heuristic's K slices stay
       cfg.l1 = kAbsorbingTile;
-      cfg.l2 = GemmConfig{kAbsorbingTile.warpgroups, kAbsorbingTile.block_n, kAbsorbingTile.stages, cfg.l2.k_splits,
-                          kAbsorbingTile.last_tile_extra, kAbsorbingTile.overlapped};
+      cfg.l2 = kAbsorbingTile;
+      cfg.l2.k_splits = l2_k_splits;
       cfg.fused = false;
       cfg.early_start = false;
     } else if (cfg.l1.last_tile_extra > 0) {

@@ -411,7 +411,7 @@ __device__ __forceinline__ void red_add_v4(float* dst, float x, float y, float z
                : "memory");
 }
 
-// The atomic combine's staging in shared memory (store_tile): per warp, kStagedColumns tokens
+// The L2 combine's staging in shared memory (store_tile, both combines): per warp, kStagedColumns tokens
 // of its 16 rows, kStagedStride floats apart. 20 (not 16) puts the scalar stores of a warp's
 // (4 tokens, 8 rows) on 32 distinct banks and keeps each token's rows 16-byte aligned.
 inline constexpr int kStagedColumns = 32;
@@ -556,7 +556,7 @@ struct W4a16SmemLayout {
   static_assert(kBTileBytes % 1024 == 0,
                 "BLOCK_N must be a multiple of 8 so each B stage is whole 1024-byte swizzle atoms");
   static_assert(kWarpgroups * 4 * detail::kStagedColumns * detail::kStagedStride * 4 <= kStages * kBTileBytes,
-                "the atomic combine's staging (store_tile) must fit in the B stages: add stages or tokens");
+                "the L2 combine's staging (store_tile) must fit in the B stages: add stages or tokens");
 };
 
 namespace detail {
