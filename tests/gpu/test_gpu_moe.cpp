@@ -218,7 +218,10 @@ INSTANTIATE_TEST_SUITE_P(
         TuningCase{Case{"absorbing_edges", 512, 256, 9, 1, 1456, 0, std::nullopt, -1, testing::ScaleCodes::kRealistic,
                         {0, 1, 128, 129, 160, 161, 288, 289, 300}}, false, false, true},
         TuningCase{Case{"absorbing_shared_clamp", 256, 128, 8, 2, 600, 256, 0.25f}, false, false, true},
-        TuningCase{Case{"absorbing_T3", 256, 128, 8, 2, 3}, false, false, true}),
+        TuningCase{Case{"absorbing_T3", 256, 128, 8, 2, 3}, false, false, true},
+        // One token: L2 splits K in two slices of 3 chunks, an odd count for the absorbing tile's
+        // loop of two chunks per barrier (its tail ends on the first chunk of a pair).
+        TuningCase{Case{"absorbing_T1_odd_k_slices", 256, 384, 8, 2, 1}, false, false, true}),
     [](const ::testing::TestParamInfo<TuningCase>& info) { return std::string(info.param.c.name); });
 
 // DeepGEMM's rule for a fused path: bitwise equal to the unfused pipeline of the library's own

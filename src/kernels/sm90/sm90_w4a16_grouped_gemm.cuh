@@ -823,7 +823,7 @@ __device__ __forceinline__ void tail_chunks(int count, F&& f) {
   }
 }
 
-// The K loop of the overlapped tiles, one chunk per CTA barrier. Iteration c:
+// The K loop of the overlapped tiles, one chunk per CTA barrier (two: kPairs, below). Iteration c:
 //   wait for this thread's copies of chunk c, CTA barrier (chunk c visible to every thread;
 //   every warpgroup has passed iteration c - 1's waits, so chunk c - 2's wgmmas are done and
 //   its stage is free); refill that stage with chunk c + kStages - 2; then per k16 step s:
@@ -833,10 +833,17 @@ __device__ __forceinline__ void tail_chunks(int count, F&& f) {
 // Copies run kStages - 2 chunks ahead (a stage is released one barrier later than in
 // gemm_item's loop). A round of kStages chunks is unrolled, so stage indices are compile-time
 // constants.
+// kPairs (the absorbing tile: six stages, four warpgroups in one CTA): one barrier per two
+// chunks. Iteration c (even) waits for this thread's copies of chunks c and c + 1, and past its
+// barrier chunks c - 3 and c - 2 are done (every warpgroup has passed iteration c - 1), so their
+// stages take chunks c + kStages - 3 and c + kStages - 2; odd iterations only compute. Copies run
+// one chunk less ahead. The loop's time per chunk does not scale with the token width (a third
+// width, 144, measured no faster): it is set by the per-chunk sequence of sixteen warps, and
+// halving its barriers made DeepSeek-V3 T=4096 1-3% faster (docs/perf/2026-11-21-h100-w4a16-v17.md).
 //   load(offset):   copies chunk (round base + offset) into stage offset % kStages;
 //   next_weights(): advances the weight sources by one chunk (after each commit);
 //   next_round():   advances the B sources by kStages chunks.
-template <class Smem, class Op, int kStages, int kAcc, class Load, class NextWeights, class NextRound>
+template <class Smem, class Op, int kStages, bool kPairs, int kAcc, class Load, class NextWeights, class NextRound>
 __device__ __forceinline__ void overlapped_k_loop(int n, float (&acc)[kAcc],
                                                   uint32_t (&a)[2][4],
                                                   const uint8_t* code_lds, const uint8_t* scale_lds,
@@ -844,7 +851,9 @@ __device__ __forceinline__ void overlapped_k_loop(int n, float (&acc)[kAcc],
                                                   NextRound&& next_round) {
   using namespace w4a16;
   static_assert(kStages >= 4, "the overlapped K loop needs kStages >= 4: two stages are held by the wgmmas in flight");
-  detail::static_for<kStages - 2>([&](auto s) {
+  static_assert(!kPairs || (kStages >= 6 && kStages % 2 == 0), "pairs of chunks per barrier need an even kStages >= 6");
+  constexpr int kAhead = kPairs ? kStages - 3 : kStages - 2;  // chunks in the prologue
+  detail::static_for<kAhead>([&](auto s) {
     if (static_cast<int>(decltype(s)::value) < n) load(s);
     detail::cp_async_commit();
     next_weights();
@@ -855,11 +864,25 @@ __device__ __forceinline__ void overlapped_k_loop(int n, float (&acc)[kAcc],
   auto chunk = [&](auto stage) __attribute__((always_inline)) {
     constexpr int kStage = decltype(stage)::value;
     const int c = base + kStage;
-    detail::cp_async_wait<kStages - 3>();  // this thread's copies of chunk c have landed
-    __syncthreads();
-    if (c + kStages - 2 < n) load(std::integral_constant<int, kStage + kStages - 2>{});
-    detail::cp_async_commit();  // one group per chunk, empty at the end of K
-    next_weights();
+    if constexpr (!kPairs) {
+      detail::cp_async_wait<kStages - 3>();  // this thread's copies of chunk c have landed
+      __syncthreads();
+      if (c + kStages - 2 < n) load(std::integral_constant<int, kStage + kStages - 2>{});
+      detail::cp_async_commit();  // one group per chunk, empty at the end of K
+      next_weights();
+    } else if constexpr (kStage % 2 == 0) {
+      // Pairs: one barrier per two chunks. This thread's copies of chunks c and c + 1 have
+      // landed; past the barrier every warpgroup has passed iteration c - 1, so chunks c - 3 and
+      // c - 2 are done and their stages take chunks c + kStages - 3 and c + kStages - 2.
+      detail::cp_async_wait<kStages - 5>();
+      __syncthreads();
+      if (c + kStages - 3 < n) load(std::integral_constant<int, kStage + kStages - 3>{});
+      detail::cp_async_commit();
+      next_weights();
+      if (c + kStages - 2 < n) load(std::integral_constant<int, kStage + kStages - 2>{});
+      detail::cp_async_commit();
+      next_weights();
+    }
     const uint4 q = *reinterpret_cast<const uint4*>(code_lds + kStage * Smem::kCodeStageBytes);
     const uint2 sc = *reinterpret_cast<const uint2*>(scale_lds + kStage * Smem::kScaleStageBytes);
     const uint32_t words[4] = {q.x, q.y, q.z, q.w};
@@ -975,7 +998,8 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
     float (&acc)[kAcc] = *reinterpret_cast<float(*)[kAcc]>(acc_all);
     #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
-    overlapped_k_loop<Smem, typename detail::WgmmaRS<kWidth>::Op, kStages>(n, acc, a, ws.code_lds, ws.scale_lds, b_desc0,
+    constexpr bool kPairs = kWarpgroups == 4;  // one barrier per two chunks (overlapped_k_loop)
+    overlapped_k_loop<Smem, typename detail::WgmmaRS<kWidth>::Op, kStages, kPairs>(n, acc, a, ws.code_lds, ws.scale_lds, b_desc0,
                                                                           load, next_weights, next_round);
     detail::cp_async_wait<0>();
     after_mainloop();
