@@ -585,6 +585,23 @@ __device__ __forceinline__ void b_piece(const W4a16GemmParams& p, const WorkItem
   dst = smem_u32 + Smem::kBOffset + r * 128 + ((c ^ (r & 7)) * 16);
 }
 
+// A thread's pieces of a work item's B tile, tid, tid + kThreads, ... (b_piece at chunk k_begin):
+// gemm_item and gemm_item_overlapped copy their B stages from these.
+template <int kPieces>
+struct BPieces {
+  const char* src[kPieces];
+  uint32_t dst[kPieces];
+  bool valid[kPieces];
+};
+template <bool kIsL1, class Smem, int kPieces, int kThreads>
+__device__ __forceinline__ BPieces<kPieces> b_pieces(const W4a16GemmParams& p, const WorkItem& w, int k_begin,
+                                                     uint32_t smem_u32, int tid) {
+  BPieces<kPieces> b;
+  #pragma unroll
+  for (int j = 0; j < kPieces; ++j) b_piece<kIsL1, Smem>(p, w, k_begin, smem_u32, tid + j * kThreads, b.src[j], b.dst[j], b.valid[j]);
+  return b;
+}
+
 // A thread's weight streams for one work item: its 16 code bytes (and, for 16 threads of the
 // warpgroup, 16 scale bytes) of 64-row tile a_tile0's first chunk, their shared-memory
 // destinations, and the consumer reads of its A fragments' codes and scales, all at stage 0 (a
@@ -673,13 +690,7 @@ __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkIt
     // ptxas add a 64-bit offset per copy.
     constexpr int kCodeBias = (kGroup - 1) * kCodeBytesPerTile / 2;
     WeightStreams ws = weight_streams<Smem>(p, e, a_tile0, smem, wg, wtid, kCodeBias);
-    const char* b_src[kPieces];
-    uint32_t b_dst[kPieces];
-    bool b_valid[kPieces];
-    #pragma unroll
-    for (int j = 0; j < kPieces; ++j) {
-      b_piece<kIsL1, Smem>(p, w, k_begin, smem_u32, tid + j * kThreads, b_src[j], b_dst[j], b_valid[j]);
-    }
+    BPieces<kPieces> b = b_pieces<kIsL1, Smem, kPieces, kThreads>(p, w, k_begin, smem_u32, tid);
     const uint64_t b_desc0 = detail::make_sw128_desc(smem + Smem::kBOffset);  // stage 0
 
     // Copies chunk (round base + kOffset) into stage kOffset % kStages; kOffset < 2 * kStages.
@@ -695,7 +706,7 @@ __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkIt
       }
       #pragma unroll
       for (int j = 0; j < kPieces; ++j) {
-        detail::cp_async_16(b_dst[j] + kStage * Smem::kBTileBytes, b_src[j] + kOffset * kChunkK * 2, b_valid[j]);
+        detail::cp_async_16(b.dst[j] + kStage * Smem::kBTileBytes, b.src[j] + kOffset * kChunkK * 2, b.valid[j]);
       }
     };
 
@@ -802,7 +813,7 @@ __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkIt
         compute_chunks(std::integral_constant<int, kGroup>{}, std::integral_constant<int, kFirst>{});
       });
       #pragma unroll
-      for (int j = 0; j < kPieces; ++j) b_src[j] += kStages * kChunkK * 2;
+      for (int j = 0; j < kPieces; ++j) b.src[j] += kStages * kChunkK * 2;
     }
     detail::cp_async_wait<0>();
 
@@ -961,13 +972,7 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
   const auto [k_begin, n] = item_chunks(p, w);
   const int64_t a_tile0 = static_cast<int64_t>(m_tile) * p.k_chunks + k_begin;
   WeightStreams ws = weight_streams<Smem>(p, w.expert, a_tile0, smem, wg, wtid, 0);
-  const char* b_src[kPieces];
-  uint32_t b_dst[kPieces];
-  bool b_valid[kPieces];
-  #pragma unroll
-  for (int j = 0; j < kPieces; ++j) {
-    b_piece<kIsL1, Smem>(p, w, k_begin, smem_u32, tid + j * kThreads, b_src[j], b_dst[j], b_valid[j]);
-  }
+  BPieces<kPieces> b = b_pieces<kIsL1, Smem, kPieces, kThreads>(p, w, k_begin, smem_u32, tid);
   const uint64_t b_desc0 = detail::make_sw128_desc(smem + Smem::kBOffset);
   auto load = [&](auto offset) {
     constexpr int kOffset = decltype(offset)::value;
@@ -977,7 +982,7 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
     #pragma unroll
     for (int j = 0; j < kPieces; ++j) {
       if (j + 1 < kPieces || copies_last_piece)
-        detail::cp_async_16(b_dst[j] + kStage * Smem::kBTileBytes, b_src[j] + kOffset * kChunkK * 2, b_valid[j]);
+        detail::cp_async_16(b.dst[j] + kStage * Smem::kBTileBytes, b.src[j] + kOffset * kChunkK * 2, b.valid[j]);
     }
   };
   auto next_weights = [&] {
@@ -986,7 +991,7 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
   };
   auto next_round = [&] {
     #pragma unroll
-    for (int j = 0; j < kPieces; ++j) b_src[j] += kStages * kChunkK * 2;
+    for (int j = 0; j < kPieces; ++j) b.src[j] += kStages * kChunkK * 2;
   };
   // One set of accumulators and A buffers for both token widths (the narrow wgmma uses the first
   // registers of the set).
