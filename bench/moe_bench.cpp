@@ -247,6 +247,7 @@ int run_bench(const BenchOptions& opt) {
   MoeTuning tuning;
   tuning.fused = opt.fused;
   tuning.early_start = opt.early_start;
+  tuning.absorbing_tile = opt.absorbing_tile;
   const MoePlan plan = MoePlan::create(problem, tuning);
   const MoeDeviceWeights weights = MoeDeviceWeights::upload(layer, stream);
   DeviceBuffer<uint8_t> workspace(plan.workspace_bytes());

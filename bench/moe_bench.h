@@ -23,6 +23,7 @@ struct BenchOptions {
   bool deterministic = false;
   std::optional<bool> fused;  // MoeTuning override (unset: the heuristic's choice)
   std::optional<bool> early_start;  // MoeTuning override (unset: the heuristic's choice)
+  std::optional<bool> absorbing_tile;  // MoeTuning override (unset: the heuristic's choice)
   uint64_t seed = 0x5eed;
   std::string json;         // write the results here when set
   std::string work_dir;     // where the synthesized checkpoint goes (default: a temp dir)

@@ -206,13 +206,17 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   // absorbing tile in L1 only 6267/6213, in L2 only 6521/6548, in both 6031/6025. Only long K
   // (H >= 4096, I >= 2048): its one CTA per SM has no other CTA to cover an item's pipeline fill
   // and epilogue, and Qwen3-30B (H = 2048, I = 768) ran slower at T=4096 (755 -> 775 L1 only,
-  // 784 L2 only). Only where it saves tiles: at 512 +- 23 tokens per expert (DeepSeek-V3
-  // T=16384, 9% fewer tiles) it ran 1% slower than the 128-token tile (H100).
+  // 784 L2 only). Where it saves tiles (15% or more), or from 256 tokens per expert, where most
+  // items are whole 128-token tiles: with its stages passed by mbarriers (v18) its K loop runs
+  // long items at 92% of the tensor rate against the overlapped 128-token tile's 80-87%
+  // (megamoe_mainloop_probe), and DeepSeek-V3 T=16384 (512 +- 23 per expert, 9% fewer tiles)
+  // ran 20205/20325 -> 19259/19234 us (H100, two rounds). It ran 1% slower there before v18,
+  // and at 64 tokens per expert its widths (128, 160) would double the wgmma columns.
   if (cfg.l1.block_n == prefill.block_n && cfg.l2.block_n == prefill.block_n && problem.hidden_size >= 4096 &&
       problem.intermediate_size >= 2048 && can_absorb(problem)) {
     const double tiles = expected_tile_count(prefill.block_n, prefill.block_n);
     const double absorbed = expected_tile_count(kAbsorbingTile.block_n, kAbsorbingTile.tile_step());
-    if (absorbed <= 0.85 * tiles) {
+    if (absorbed <= 0.85 * tiles || per_expert >= 256) {
       cfg.l1 = kAbsorbingTile;
       cfg.l2 = kAbsorbingTile;
     }

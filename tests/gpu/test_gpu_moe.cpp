@@ -221,7 +221,11 @@ INSTANTIATE_TEST_SUITE_P(
         TuningCase{Case{"absorbing_T3", 256, 128, 8, 2, 3}, false, false, true},
         // One token: L2 splits K in two slices of 3 chunks, an odd count for the absorbing tile's
         // loop of two chunks per barrier (its tail ends on the first chunk of a pair).
-        TuningCase{Case{"absorbing_T1_odd_k_slices", 256, 384, 8, 2, 1}, false, false, true}),
+        TuningCase{Case{"absorbing_T1_odd_k_slices", 256, 384, 8, 2, 1}, false, false, true},
+        // Two to three items per CTA (L1: 16 experts x 3 n-tiles x 5 m-blocks on one CTA per SM),
+        // of 8 chunks in L1 and 10 in L2: each item leaves the six stage barriers at different
+        // phases for the next (StageSync::kMbarriers).
+        TuningCase{Case{"absorbing_many_items", 512, 640, 16, 4, 1200}, false, false, true}),
     [](const ::testing::TestParamInfo<TuningCase>& info) { return std::string(info.param.c.name); });
 
 // DeepGEMM's rule for a fused path: bitwise equal to the unfused pipeline of the library's own

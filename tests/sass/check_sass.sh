@@ -3,7 +3,8 @@
 # grouped-GEMM and fused-MoE kernel must issue HGMMA, i.e. the decoded weights reach the tensor
 # cores through wgmma (issue 3: "the disassembly of the L1 and L2 mainloops must show HGMMA").
 #
-# It also prints, per kernel, the instructions per pipeline group (between CTA barriers) and
+# It also prints, per kernel, the instructions per pipeline group (between CTA barriers, or
+# mbarrier waits in the absorbing tile's loop: SYNCS.PHASECHK) and
 # the uniform-register copies (UMOV URa, URb) between consecutive HGMMAs of one group. Those
 # copies are ptxas moving a wgmma descriptor into the register pair the HGMMA reads; how many
 # there are depends on what else is live around an inlined mainloop (a change to the fused
@@ -37,7 +38,7 @@ awk '
   !/^ +\/\*[0-9a-f]+\*\// { next }
   {
     group_len++
-    if ($0 ~ /BAR\.SYNC/) {
+    if ($0 ~ /BAR\.SYNC|SYNCS\.PHASECHK/) {
       if (ngroups++ < 12) groups = groups group_len " "
       group_len = 0; since_hgmma = -1
     } else if ($0 ~ /HGMMA/) {

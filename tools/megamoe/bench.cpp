@@ -45,11 +45,17 @@ Command add_bench_command(CLI::App& parent) {
   app->add_option("--early-start", *early_start,
                   "override the heuristic: L1 starts before the dispatch completes (T * top_k <= 32 only)")
       ->check(CLI::IsMember({"on", "off"}));
+  auto absorbing_tile = std::make_shared<std::string>();
+  app->add_option("--absorbing-tile", *absorbing_tile,
+                  "override the heuristic: both GEMMs on the absorbing tile (four warpgroups, 128-token items, an "
+                  "expert's last up to 160; needs H and 2I multiples of 256)")
+      ->check(CLI::IsMember({"on", "off"}));
   app->add_option("--seed", opt->seed, "seed of the synthesized weights and inputs");
   app->add_option("--json", opt->json, "write the results as JSON (plot with bench/plot_bench.py)");
   app->add_option("--work-dir", opt->work_dir, "where to write the synthesized checkpoint");
-  return {app, [opt, fused, early_start] {
+  return {app, [opt, fused, early_start, absorbing_tile] {
             if (!fused->empty()) opt->fused = *fused == "on";
+            if (!absorbing_tile->empty()) opt->absorbing_tile = *absorbing_tile == "on";
             if (!early_start->empty()) opt->early_start = *early_start == "on";
             if (bench::run_bench(*opt) != 0) {
               MEGAMOE_FAIL(kInternal, "the accuracy check failed (see above)");

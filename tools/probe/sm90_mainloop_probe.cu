@@ -180,11 +180,16 @@ __global__ void __launch_bounds__(kWarpgroups * 128, kMinBlocks)
   w.slot_begin = (blockIdx.x % kNTiles) * width;
   w.slot_end = w.slot_begin + width;
   w.slot_token = p.slot_token;
+  k90::detail::StageBarriers bars{};
+  if constexpr (kOverlapped && k90::detail::kOverlappedSync<kWarpgroups> == k90::detail::StageSync::kMbarriers) {
+    bars = k90::detail::init_stage_barriers<kWarpgroups * 128, kStages>();
+    __syncthreads();
+  }
   const long long t0 = clock64();
   for (int s = 0; s < p.k_splits; ++s) {
     w.k_split = s;
     if constexpr (kOverlapped) {
-      k90::detail::gemm_item_overlapped<false, kWarpgroups, kBlockN, kStages>(p, w, smem, [] {});
+      k90::detail::gemm_item_overlapped<false, kWarpgroups, kBlockN, kStages>(p, w, smem, bars, [] {});
     } else {
       k90::detail::gemm_item<false, kWarpgroups, kBlockN, kStages>(p, w, smem, [] {});
     }

@@ -834,39 +834,119 @@ __device__ __forceinline__ void tail_chunks(int count, F&& f) {
   }
 }
 
-// The K loop of the overlapped tiles, one chunk per CTA barrier (two: kPairs, below). Iteration c:
-//   wait for this thread's copies of chunk c, CTA barrier (chunk c visible to every thread;
-//   every warpgroup has passed iteration c - 1's waits, so chunk c - 2's wgmmas are done and
-//   its stage is free); refill that stage with chunk c + kStages - 2; then per k16 step s:
-//   decode into A buffer s % 2 while step s - 1's wgmma reads the other, issue step s's wgmma,
-//   wait until it is the only one in flight. Two steps of A (8 registers) instead of two chunks
-//   (32): next to 80 accumulators, two chunks made ptxas serialise the wgmmas (C7512).
-// Copies run kStages - 2 chunks ahead (a stage is released one barrier later than in
-// gemm_item's loop). A round of kStages chunks is unrolled, so stage indices are compile-time
-// constants.
-// kPairs (the absorbing tile: six stages, four warpgroups in one CTA): one barrier per two
-// chunks. Iteration c (even) waits for this thread's copies of chunks c and c + 1, and past its
-// barrier chunks c - 3 and c - 2 are done (every warpgroup has passed iteration c - 1), so their
-// stages take chunks c + kStages - 3 and c + kStages - 2; odd iterations only compute. Copies run
-// one chunk less ahead. The loop's time per chunk does not scale with the token width (a third
-// width, 144, measured no faster): it is set by the per-chunk sequence of sixteen warps, and
-// halving its barriers made DeepSeek-V3 T=4096 1-3% faster (docs/perf/2026-11-21-h100-w4a16-v17.md).
+// How the overlapped K loop hands shared-memory stages between threads (overlapped_k_loop).
+enum class StageSync {
+  kBarrier,        // one CTA barrier per chunk
+  kBarrierPairs,   // one CTA barrier per two chunks
+  kMbarriers,      // per-stage full/empty mbarriers (StageBarriers), no CTA barrier
+};
+
+// mbarrier primitives (shared::cta addresses).
+__device__ __forceinline__ void mbarrier_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbarrier_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+// Arrives on bar once every cp.async this thread issued before it has landed; .noinc: the
+// arrival counts towards the barrier's expected count.
+__device__ __forceinline__ void cp_async_mbarrier_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+// Waits until the phase of parity `parity` of bar has completed.
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "MEGAMOE_MBARRIER_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra MEGAMOE_MBARRIER_WAIT;\n"
+      "}\n" :: "r"(bar), "r"(parity) : "memory");
+}
+
+// The stage barriers of StageSync::kMbarriers: full[s] completes when every thread's copies of
+// the chunk in stage s have landed (one cp.async arrival per thread), empty[s] when every warp
+// has finished that chunk's wgmmas (one arrival per warp). `phases`: bit s is the parity of
+// stage s's current phase, the same for full[s] and empty[s] between work items (every phase an
+// item starts completes within it); each thread carries it from item to item.
+struct StageBarriers {
+  uint32_t base;    // shared address of full[0]; full[s] at + 8 s, empty[s] at + 8 (kStages + s)
+  uint32_t phases;
+};
+template <int kStages>
+__device__ __forceinline__ uint32_t stage_barrier_storage() {
+  __shared__ alignas(8) uint64_t barriers[2 * kStages];
+  return static_cast<uint32_t>(__cvta_generic_to_shared(barriers));
+}
+// Every thread calls it; the caller's CTA barrier publishes the initialisation before first use.
+template <int kThreads, int kStages>
+__device__ __forceinline__ StageBarriers init_stage_barriers() {
+  const uint32_t base = stage_barrier_storage<kStages>();
+  if (threadIdx.x == 0) {
+    #pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(base + 8 * s, kThreads);
+      mbarrier_init(base + 8 * (kStages + s), kThreads / 32);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  return {base, 0u};
+}
+
+// The K loop of the overlapped tiles. Per chunk and k16 step s: decode into A buffer s % 2 while
+// step s - 1's wgmma reads the other, issue step s's wgmma, wait until it is the only one in
+// flight (so chunk c - 1 is done after chunk c's first step). Two steps of A (8 registers)
+// instead of two chunks (32): next to 80 accumulators, two chunks made ptxas serialise the
+// wgmmas (C7512). A round of kStages chunks is unrolled, so stage indices are compile-time
+// constants. How the stages pass between threads (every thread copies a share of each B stage,
+// each warpgroup its own weights):
+// - kBarrier (the 128-token tile, two CTAs per SM): iteration c waits for this thread's copies
+//   of chunk c and passes a CTA barrier (chunk c visible to every thread; every warpgroup has
+//   passed iteration c - 1's waits, so chunk c - 2 is done and its stage takes chunk
+//   c + kStages - 2). Copies run kStages - 2 chunks ahead.
+// - kBarrierPairs: one barrier per two chunks. Iteration c (even) waits for this thread's copies
+//   of chunks c and c + 1; past its barrier chunks c - 3 and c - 2 are done, so their stages
+//   take chunks c + kStages - 3 and c + kStages - 2; odd iterations only compute.
+// - kMbarriers (the absorbing tile: four warpgroups in one CTA, no second CTA whose wgmmas fill
+//   the tensor pipe while these decode): no CTA barrier. Iteration c waits for full[chunk c's
+//   stage] after refilling the stage of chunk c + kStages / 2 - kStages with chunk
+//   c + kStages / 2 once every warp has released that chunk (empty), and after its first step
+//   each warp releases chunk c - 1. The
+//   warpgroups drift apart: one may run up to kStages / 2 chunks ahead of the slowest, where a
+//   CTA barrier per chunk or pair made all sixteen warps decode, then wait, in step (the loop's
+//   time per chunk did not depend on the token width, docs/perf/2026-11-21-h100-w4a16-v17.md).
+//   Copies run kStages / 2 chunks ahead.
 //   load(offset):   copies chunk (round base + offset) into stage offset % kStages;
-//   next_weights(): advances the weight sources by one chunk (after each commit);
+//   next_weights(): advances the weight sources by one chunk (after each chunk's copies);
 //   next_round():   advances the B sources by kStages chunks.
-template <class Smem, class Op, int kStages, bool kPairs, int kAcc, class Load, class NextWeights, class NextRound>
+template <class Smem, class Op, int kStages, StageSync kSync, int kAcc, class Load, class NextWeights, class NextRound>
 __device__ __forceinline__ void overlapped_k_loop(int n, float (&acc)[kAcc],
                                                   uint32_t (&a)[2][4],
                                                   const uint8_t* code_lds, const uint8_t* scale_lds,
-                                                  uint64_t b_desc0, Load&& load, NextWeights&& next_weights,
-                                                  NextRound&& next_round) {
+                                                  uint64_t b_desc0, StageBarriers& bars, Load&& load,
+                                                  NextWeights&& next_weights, NextRound&& next_round) {
   using namespace w4a16;
   static_assert(kStages >= 4, "the overlapped K loop needs kStages >= 4: two stages are held by the wgmmas in flight");
-  static_assert(!kPairs || (kStages >= 6 && kStages % 2 == 0), "pairs of chunks per barrier need an even kStages >= 6");
-  constexpr int kAhead = kPairs ? kStages - 3 : kStages - 2;  // chunks in the prologue
+  static_assert(kSync != StageSync::kBarrierPairs || (kStages >= 6 && kStages % 2 == 0),
+                "pairs of chunks per barrier need an even kStages >= 6");
+  static_assert(kSync != StageSync::kMbarriers || kStages <= 16, "the phase bits hold up to 16 stages");
+  constexpr bool kMbar = kSync == StageSync::kMbarriers;
+  constexpr int kAhead = kMbar ? kStages / 2 : kSync == StageSync::kBarrierPairs ? kStages - 3 : kStages - 2;
+  constexpr uint32_t kAllStages = (1u << kStages) - 1;
+  const uint32_t full = bars.base, empty = bars.base + 8 * kStages;
+  const bool leader = threadIdx.x % 32 == 0;  // arrives on empty[] for its warp
+  uint32_t phases = bars.phases;              // this round's parities (flipped every round)
   detail::static_for<kAhead>([&](auto s) {
-    if (static_cast<int>(decltype(s)::value) < n) load(s);
-    detail::cp_async_commit();
+    constexpr int kS = decltype(s)::value;
+    if constexpr (kMbar) {
+      if (kS < n) {
+        load(s);
+        cp_async_mbarrier_arrive(full + 8 * kS);
+      }
+    } else {
+      if (kS < n) load(s);
+      detail::cp_async_commit();
+    }
     next_weights();
   });
   int base = 0;  // first chunk of the current round
@@ -875,17 +955,14 @@ __device__ __forceinline__ void overlapped_k_loop(int n, float (&acc)[kAcc],
   auto chunk = [&](auto stage) __attribute__((always_inline)) {
     constexpr int kStage = decltype(stage)::value;
     const int c = base + kStage;
-    if constexpr (!kPairs) {
+    if constexpr (kSync == StageSync::kBarrier) {
       detail::cp_async_wait<kStages - 3>();  // this thread's copies of chunk c have landed
       __syncthreads();
       if (c + kStages - 2 < n) load(std::integral_constant<int, kStage + kStages - 2>{});
       detail::cp_async_commit();  // one group per chunk, empty at the end of K
       next_weights();
-    } else if constexpr (kStage % 2 == 0) {
-      // Pairs: one barrier per two chunks. This thread's copies of chunks c and c + 1 have
-      // landed; past the barrier every warpgroup has passed iteration c - 1, so chunks c - 3 and
-      // c - 2 are done and their stages take chunks c + kStages - 3 and c + kStages - 2.
-      detail::cp_async_wait<kStages - 5>();
+    } else if constexpr (kSync == StageSync::kBarrierPairs && kStage % 2 == 0) {
+      detail::cp_async_wait<kStages - 5>();  // this thread's copies of chunks c and c + 1
       __syncthreads();
       if (c + kStages - 3 < n) load(std::integral_constant<int, kStage + kStages - 3>{});
       detail::cp_async_commit();
@@ -893,6 +970,22 @@ __device__ __forceinline__ void overlapped_k_loop(int n, float (&acc)[kAcc],
       if (c + kStages - 2 < n) load(std::integral_constant<int, kStage + kStages - 2>{});
       detail::cp_async_commit();
       next_weights();
+    } else if constexpr (kMbar) {
+      // Refill: chunk c + kAhead into the stage of chunk c + kAhead - kStages, once every warp
+      // has released that chunk (none before the item's first kStages chunks).
+      constexpr int kRefill = kStage + kAhead;  // < 2 * kStages
+      constexpr int kRefillStage = kRefill % kStages;
+      if (c + kAhead < n) {
+        if constexpr (kRefill >= kStages) {
+          mbarrier_wait(empty + 8 * kRefillStage, (phases >> kRefillStage) & 1);  // this round's use
+        } else {
+          if (base > 0) mbarrier_wait(empty + 8 * kRefillStage, ((phases >> kRefillStage) & 1) ^ 1);
+        }
+        load(std::integral_constant<int, kRefill>{});
+        cp_async_mbarrier_arrive(full + 8 * kRefillStage);
+      }
+      next_weights();
+      mbarrier_wait(full + 8 * kStage, (phases >> kStage) & 1);  // every thread's copies of chunk c
     }
     const uint4 q = *reinterpret_cast<const uint4*>(code_lds + kStage * Smem::kCodeStageBytes);
     const uint2 sc = *reinterpret_cast<const uint2*>(scale_lds + kStage * Smem::kScaleStageBytes);
@@ -909,6 +1002,15 @@ __device__ __forceinline__ void overlapped_k_loop(int n, float (&acc)[kAcc],
       detail::wgmma_rs<Op>(a[s % 2], desc + static_cast<uint64_t>(s * 2), acc, std::make_index_sequence<kAcc>{});
       detail::wgmma_commit();
       detail::wgmma_wait_one();
+      if constexpr (kMbar && s == 0) {
+        // Chunk c - 1's wgmmas are done: this warp releases its stage (__syncwarp orders every
+        // lane's reads of its codes and scales before the leader's arrival).
+        constexpr int kPrevStage = (kStage + kStages - 1) % kStages;
+        if (kStage != 0 || base > 0) {
+          __syncwarp();
+          if (leader) mbarrier_arrive(empty + 8 * kPrevStage);
+        }
+      }
     });
   };
   // Whole rounds with no exit between their chunks, then a nested tail: a loop round that can be
@@ -916,12 +1018,19 @@ __device__ __forceinline__ void overlapped_k_loop(int n, float (&acc)[kAcc],
   for (; base + kStages <= n; base += kStages) {
     detail::static_for<kStages>(chunk);
     next_round();
+    phases ^= kAllStages;
   }
   // The last n - base < kStages chunks, nested so that chunk i runs only after chunk i - 1.
   tail_chunks<0, kStages>(n - base, chunk);
   detail::wgmma_wait_all();
   #pragma unroll
   for (int i = 0; i < kAcc; ++i) detail::keep_in_register(acc[i]);
+  if constexpr (kMbar) {
+    // Release the last chunk, and carry the parities: the tail's stages completed one more phase.
+    __syncwarp();
+    if (leader) mbarrier_arrive(empty + 8 * ((n - 1) % kStages));
+    bars.phases = phases ^ ((1u << (n - base)) - 1);
+  }
 }
 
 // Token widths of the overlapped tiles: kNarrow or kBlockN. With wgmmas in flight across the K
@@ -937,6 +1046,11 @@ __device__ __forceinline__ void with_two_token_widths(int rows, F&& f) {
   }
 }
 
+// How each overlapped tile passes its stages (overlapped_k_loop): the absorbing tile with stage
+// mbarriers, the 128-token tile (two CTAs per SM) with one CTA barrier per chunk.
+template <int kWarpgroups>
+inline constexpr StageSync kOverlappedSync = kWarpgroups == 4 ? StageSync::kMbarriers : StageSync::kBarrier;
+
 // gemm_item for the overlapped tiles: each warpgroup overlaps its decode with its wgmmas
 // (overlapped_k_loop) at two token widths (with_two_token_widths). Two tiles:
 // - the absorbing tile (four warpgroups, BLOCK_M = 256, one CTA per SM, where no other CTA's
@@ -949,9 +1063,11 @@ __device__ __forceinline__ void with_two_token_widths(int rows, F&& f) {
 // The warpgroups share one (BLOCK_N, 64) B stage. The copy state is set up once for all BLOCK_N
 // rows, outside the token width (per-width copy state cost registers per width). Rows past the
 // item's slots are zero-filled (src-size 0, no global read).
+// bars: the stage barriers (kOverlappedSync == kMbarriers), set up once per CTA by
+// init_stage_barriers and carried from item to item.
 template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, class AfterMainloop>
 __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, const WorkItem& w, uint8_t* smem,
-                                                     AfterMainloop&& after_mainloop) {
+                                                     StageBarriers& bars, AfterMainloop&& after_mainloop) {
   using namespace w4a16;
   using Smem = W4a16SmemLayout<kWarpgroups, kBlockN, kStages>;
   constexpr int kThreads = kWarpgroups * kThreadsPerWarpgroup;
@@ -1003,9 +1119,8 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
     float (&acc)[kAcc] = *reinterpret_cast<float(*)[kAcc]>(acc_all);
     #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
-    constexpr bool kPairs = kWarpgroups == 4;  // one barrier per two chunks (overlapped_k_loop)
-    overlapped_k_loop<Smem, typename detail::WgmmaRS<kWidth>::Op, kStages, kPairs>(n, acc, a, ws.code_lds, ws.scale_lds, b_desc0,
-                                                                          load, next_weights, next_round);
+    overlapped_k_loop<Smem, typename detail::WgmmaRS<kWidth>::Op, kStages, kOverlappedSync<kWarpgroups>>(
+        n, acc, a, ws.code_lds, ws.scale_lds, b_desc0, bars, load, next_weights, next_round);
     detail::cp_async_wait<0>();
     after_mainloop();
     detail::store_tile<kIsL1, kWarpgroups, kWidth>(p, acc, w, m_tile, warp, g, t, smem);
@@ -1048,6 +1163,13 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     total_work = p.tile_offsets[p.num_experts];
   }
 
+  // The absorbing tile's stage barriers (unused by the other tiles).
+  detail::StageBarriers bars{};
+  if constexpr (kOverlapped && detail::kOverlappedSync<kWarpgroups> == detail::StageSync::kMbarriers) {
+    bars = detail::init_stage_barriers<kWarpgroups * w4a16::kThreadsPerWarpgroup, kStages>();
+    __syncthreads();  // the barriers' initialisation, before any thread's first copy
+  }
+
   for (int work = blockIdx.x; work < total_work;) {
     int next_work = 0;
     const detail::WorkItem w =
@@ -1057,7 +1179,7 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
       if (tid == 0) next_work = detail::claim_work(p.work_counter);
     };
     if constexpr (kOverlapped) {
-      detail::gemm_item_overlapped<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem, claim);
+      detail::gemm_item_overlapped<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem, bars, claim);
     } else {
       detail::gemm_item<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem, claim);
     }
