@@ -7,6 +7,8 @@
 // 2. The library's own mainloops (gemm_item, gemm_item_overlapped) on synthetic L2-GEMM items of
 //    the prefill tiles, with the atomic-combine epilogue: one item of K = 16384 per CTA against
 //    eight of K = 2048 (DeepSeek-V3's L2 K): the difference is the cost of item boundaries.
+// 3. The absorbing tile's item boundaries: 2 to 16 items per CTA, and plain stores instead of
+//    the atomic combine.
 //
 // Each line reports TFLOP/s from CUDA events (median of the launches), the SM clock implied by
 // clock64() over the same time, and the tensor pipe's busy fraction: FLOPs over cycles of the
@@ -308,5 +310,16 @@ int main() {
     mainloop_rate<2, 128, 4, 2, true>("2 warpgroups, 128 tokens, 4 stages, overlapped", sms, 128, k_total, items, buf);
     mainloop_rate<4, 160, 6, 1, true>("4 warpgroups, 160 tokens, 6 stages, overlapped", sms, 160, k_total, items, buf);
   }
+  // 3. The cost of an item boundary: the absorbing tile at 2, 4 and 16 items per CTA, and at 8 with
+  // the deterministic epilogue's plain 16-byte stores (y_slot) instead of red.global.add. Every
+  // CTA reaches its epilogues at the same moment here, unlike the layer's claimed items.
+  std::printf("3. the absorbing tile's item boundaries: items per CTA; plain stores instead of atomics\n");
+  for (int items : {2, 4, 16}) {
+    mainloop_rate<4, 160, 6, 1, true>("4 warpgroups, 160 tokens, 6 stages, overlapped", sms, 160, k_total, items, buf);
+  }
+  float* y_slot;
+  check(cudaMalloc(&y_slot, size_t(rows) * max_m_tiles * 64 * 4), "cudaMalloc");
+  p.y_slot = y_slot;
+  mainloop_rate<4, 160, 6, 1, true>("4 warpgroups, 160 tokens, 6 stages, overlapped, slot stores", sms, 160, k_total, 8, buf);
   return 0;
 }
