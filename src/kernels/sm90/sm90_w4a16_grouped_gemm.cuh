@@ -143,6 +143,7 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem
                :: "r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
 
@@ -865,8 +866,11 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
 }
 
 // The stage barriers of StageSync::kMbarriers: full[s] completes when every thread's copies of
-// the chunk in stage s have landed (one cp.async arrival per thread), empty[s] when every warp
-// has finished that chunk's wgmmas (one arrival per warp). `phases`: bit s is the parity of
+// the chunk in stage s have landed (one cp.async arrival per thread), empty[s] when every thread
+// has finished that chunk (its reads of the codes and scales, its warpgroup's wgmmas). Every
+// thread arrives on empty[s] itself: one arrival per warp after __syncwarp is as correct under
+// the memory model, but compute-sanitizer's racecheck does not follow it and reports each
+// refill as a hazard. `phases`: bit s is the parity of
 // stage s's current phase, the same for full[s] and empty[s] between work items (every phase an
 // item starts completes within it); each thread carries it from item to item.
 struct StageBarriers {
@@ -886,7 +890,7 @@ __device__ __forceinline__ StageBarriers init_stage_barriers() {
     #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(base + 8 * s, kThreads);
-      mbarrier_init(base + 8 * (kStages + s), kThreads / 32);
+      mbarrier_init(base + 8 * (kStages + s), kThreads);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -910,9 +914,9 @@ __device__ __forceinline__ StageBarriers init_stage_barriers() {
 // - kMbarriers (the absorbing tile: four warpgroups in one CTA, no second CTA whose wgmmas fill
 //   the tensor pipe while these decode): no CTA barrier. Iteration c waits for full[chunk c's
 //   stage] after refilling the stage of chunk c + kStages / 2 - kStages with chunk
-//   c + kStages / 2 once every warp has released that chunk (empty), and after its first step
-//   each warp releases chunk c - 1. The
-//   warpgroups drift apart: one may run up to kStages / 2 chunks ahead of the slowest, where a
+//   c + kStages / 2 once every thread has released that chunk (empty), and after its first step
+//   each thread releases chunk c - 1. The warpgroups drift apart: one may run up to kStages / 2
+//   chunks ahead of the slowest, where a
 //   CTA barrier per chunk or pair made all sixteen warps decode, then wait, in step (the loop's
 //   time per chunk did not depend on the token width, docs/perf/2026-11-21-h100-w4a16-v17.md).
 //   Copies run kStages / 2 chunks ahead.
@@ -934,8 +938,16 @@ __device__ __forceinline__ void overlapped_k_loop(int n, float (&acc)[kAcc],
   constexpr int kAhead = kMbar ? kStages / 2 : kSync == StageSync::kBarrierPairs ? kStages - 3 : kStages - 2;
   constexpr uint32_t kAllStages = (1u << kStages) - 1;
   const uint32_t full = bars.base, empty = bars.base + 8 * kStages;
-  const bool leader = threadIdx.x % 32 == 0;  // arrives on empty[] for its warp
-  uint32_t phases = bars.phases;              // this round's parities (flipped every round)
+  uint32_t phases = bars.phases;  // this round's parities (flipped every round)
+  if constexpr (kMbar) {
+    // The previous item's last phases are complete (every thread arrived before the caller's CTA
+    // barrier after it); waiting on each says so to compute-sanitizer's synccheck, which flags an
+    // arrival on a barrier whose previous phase the arriving thread has not waited for.
+    detail::static_for<kStages>([&](auto s) {
+      constexpr int kS = decltype(s)::value;
+      mbarrier_wait(empty + 8 * kS, ((phases >> kS) & 1) ^ 1);
+    });
+  }
   detail::static_for<kAhead>([&](auto s) {
     constexpr int kS = decltype(s)::value;
     if constexpr (kMbar) {
@@ -971,7 +983,7 @@ __device__ __forceinline__ void overlapped_k_loop(int n, float (&acc)[kAcc],
       detail::cp_async_commit();
       next_weights();
     } else if constexpr (kMbar) {
-      // Refill: chunk c + kAhead into the stage of chunk c + kAhead - kStages, once every warp
+      // Refill: chunk c + kAhead into the stage of chunk c + kAhead - kStages, once every thread
       // has released that chunk (none before the item's first kStages chunks).
       constexpr int kRefill = kStage + kAhead;  // < 2 * kStages
       constexpr int kRefillStage = kRefill % kStages;
@@ -1003,13 +1015,9 @@ __device__ __forceinline__ void overlapped_k_loop(int n, float (&acc)[kAcc],
       detail::wgmma_commit();
       detail::wgmma_wait_one();
       if constexpr (kMbar && s == 0) {
-        // Chunk c - 1's wgmmas are done: this warp releases its stage (__syncwarp orders every
-        // lane's reads of its codes and scales before the leader's arrival).
+        // Chunk c - 1's wgmmas are done: this thread releases its stage.
         constexpr int kPrevStage = (kStage + kStages - 1) % kStages;
-        if (kStage != 0 || base > 0) {
-          __syncwarp();
-          if (leader) mbarrier_arrive(empty + 8 * kPrevStage);
-        }
+        if (kStage != 0 || base > 0) mbarrier_arrive(empty + 8 * kPrevStage);
       }
     });
   };
@@ -1027,8 +1035,7 @@ __device__ __forceinline__ void overlapped_k_loop(int n, float (&acc)[kAcc],
   for (int i = 0; i < kAcc; ++i) detail::keep_in_register(acc[i]);
   if constexpr (kMbar) {
     // Release the last chunk, and carry the parities: the tail's stages completed one more phase.
-    __syncwarp();
-    if (leader) mbarrier_arrive(empty + 8 * ((n - 1) % kStages));
+    mbarrier_arrive(empty + 8 * ((n - 1) % kStages));
     bars.phases = phases ^ ((1u << (n - base)) - 1);
   }
 }
@@ -1121,7 +1128,9 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
     overlapped_k_loop<Smem, typename detail::WgmmaRS<kWidth>::Op, kStages, kOverlappedSync<kWarpgroups>>(
         n, acc, a, ws.code_lds, ws.scale_lds, b_desc0, bars, load, next_weights, next_round);
-    detail::cp_async_wait<0>();
+    // Every copy of this thread has landed (the stage barriers' loop commits no cp.async groups:
+    // wait_all, not wait_group 0).
+    detail::cp_async_wait_all();
     after_mainloop();
     detail::store_tile<kIsL1, kWarpgroups, kWidth>(p, acc, w, m_tile, warp, g, t, smem);
   });
