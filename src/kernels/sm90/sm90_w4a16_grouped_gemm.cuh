@@ -419,9 +419,11 @@ inline constexpr int kStagedColumns = 32;
 inline constexpr int kStagedStride = 20;
 
 // Epilogue of one warpgroup's (64, BLOCK_N) tile m_tile, r0 = 16 * warp + g.
-template <bool kIsL1, int kWarpgroups, int kBlockN>
+// staging: the L2 combine's staging in shared memory (Smem::kStagingOffset); kOwnStaging: it is
+// not the B stages, so no CTA barrier before it.
+template <bool kIsL1, int kWarpgroups, int kBlockN, bool kOwnStaging = false>
 __device__ __forceinline__ void store_tile(const W4a16GemmParams& p, const float (&acc)[kBlockN / 2],
-                                           const WorkItem& w, int m_tile, int warp, int g, int t, uint8_t* smem) {
+                                           const WorkItem& w, int m_tile, int warp, int g, int t, uint8_t* staging_smem) {
   using namespace w4a16;
   const int e = w.expert;
   if constexpr (kIsL1) {
@@ -491,14 +493,15 @@ __device__ __forceinline__ void store_tile(const W4a16GemmParams& p, const float
     // in a fixed order). On items of K = 2048 (megamoe_mainloop_probe, H100) the 128-token tile
     // ran at 54% of the tensor rate with per-element atomics and 64% with these.
     // The staging reuses the B stages, free once every warpgroup is past its last wgmma (the
-    // barrier below); the caller's barrier after the item hands them back to the next item.
+    // barrier below), unless the tile has its own (kOwnStaging); the caller's barrier after the
+    // item hands the B stages back to the next item.
     constexpr int kCols = kBlockN % kStagedColumns == 0 ? kStagedColumns : 16;  // tokens per staging pass
     const int lane = threadIdx.x % 32;
-    float* const staging = reinterpret_cast<float*>(smem) + (threadIdx.x / 32) * kStagedColumns * kStagedStride;
+    float* const staging = reinterpret_cast<float*>(staging_smem) + (threadIdx.x / 32) * kStagedColumns * kStagedStride;
     const int quad = lane % 4;                    // rows 4 * quad .. + 3 of the warp's 16
     const int64_t rows = row0 - g + 4 * quad;     // row0 - g: the warp's first row
     const bool to_slots = p.y_slot != nullptr;
-    __syncthreads();
+    if constexpr (!kOwnStaging) __syncthreads();
     #pragma unroll
     for (int first = 0; first < kBlockN; first += kCols) {
       // This lane's rows in the pass: columns first + 8 j + lane / 4, their destination row
@@ -552,11 +555,17 @@ struct W4a16SmemLayout {
   static constexpr int kBOffset = 0;
   static constexpr int kCodeOffset = kBOffset + kStages * kBTileBytes;
   static constexpr int kScaleOffset = kCodeOffset + kStages * kCodeStageBytes;
-  static constexpr int kBytes = kScaleOffset + kStages * kScaleStageBytes;
+  // The L2 combine's staging (store_tile): in the B stages, free once every warpgroup is past its
+  // last wgmma (a CTA barrier); the absorbing tile (four warpgroups), whose warpgroups run their
+  // epilogues while others still compute (no CTA barrier between items), has its own.
+  static constexpr bool kOwnStaging = kWarpgroups == 4;
+  static constexpr int kStagingBytes = kWarpgroups * 4 * detail::kStagedColumns * detail::kStagedStride * 4;
+  static constexpr int kStagingOffset = kOwnStaging ? kScaleOffset + kStages * kScaleStageBytes : kBOffset;
+  static constexpr int kBytes = kScaleOffset + kStages * kScaleStageBytes + (kOwnStaging ? kStagingBytes : 0);
   static constexpr int kAllocBytes = kBytes + 1024;  // room to align the base to 1024 B
   static_assert(kBTileBytes % 1024 == 0,
                 "BLOCK_N must be a multiple of 8 so each B stage is whole 1024-byte swizzle atoms");
-  static_assert(kWarpgroups * 4 * detail::kStagedColumns * detail::kStagedStride * 4 <= kStages * kBTileBytes,
+  static_assert(kOwnStaging || kStagingBytes <= kStages * kBTileBytes,
                 "the L2 combine's staging (store_tile) must fit in the B stages: add stages or tokens");
 };
 
@@ -819,7 +828,7 @@ __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkIt
     detail::cp_async_wait<0>();
 
     after_mainloop();
-    detail::store_tile<kIsL1, kWarpgroups, kWidth>(p, acc, w, m_tile, warp, g, t, smem);
+    detail::store_tile<kIsL1, kWarpgroups, kWidth>(p, acc, w, m_tile, warp, g, t, smem + Smem::kStagingOffset);
   });
 }
 
@@ -897,6 +906,20 @@ __device__ __forceinline__ StageBarriers init_stage_barriers() {
   return {base, 0u};
 }
 
+// After an item: waits until every thread has released every stage (each stage's last completed
+// phase). The next item's copies may then overwrite any stage, without a CTA barrier; and no
+// thread arrives on a barrier whose previous phase it has not waited for (compute-sanitizer's
+// synccheck flags that). The waits complete the acquire side of every thread's releases of the
+// item: what a thread wrote to shared memory before its last arrivals is visible past them.
+template <int kStages>
+__device__ __forceinline__ void wait_stages_released(const StageBarriers& bars) {
+  const uint32_t empty = bars.base + 8 * kStages;
+  detail::static_for<kStages>([&](auto s) {
+    constexpr int kS = decltype(s)::value;
+    mbarrier_wait(empty + 8 * kS, ((bars.phases >> kS) & 1) ^ 1);
+  });
+}
+
 // The K loop of the overlapped tiles. Per chunk and k16 step s: decode into A buffer s % 2 while
 // step s - 1's wgmma reads the other, issue step s's wgmma, wait until it is the only one in
 // flight (so chunk c - 1 is done after chunk c's first step). Two steps of A (8 registers)
@@ -939,15 +962,6 @@ __device__ __forceinline__ void overlapped_k_loop(int n, float (&acc)[kAcc],
   constexpr uint32_t kAllStages = (1u << kStages) - 1;
   const uint32_t full = bars.base, empty = bars.base + 8 * kStages;
   uint32_t phases = bars.phases;  // this round's parities (flipped every round)
-  if constexpr (kMbar) {
-    // The previous item's last phases are complete (every thread arrived before the caller's CTA
-    // barrier after it); waiting on each says so to compute-sanitizer's synccheck, which flags an
-    // arrival on a barrier whose previous phase the arriving thread has not waited for.
-    detail::static_for<kStages>([&](auto s) {
-      constexpr int kS = decltype(s)::value;
-      mbarrier_wait(empty + 8 * kS, ((phases >> kS) & 1) ^ 1);
-    });
-  }
   detail::static_for<kAhead>([&](auto s) {
     constexpr int kS = decltype(s)::value;
     if constexpr (kMbar) {
@@ -1132,8 +1146,10 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
     // wait_all, not wait_group 0).
     detail::cp_async_wait_all();
     after_mainloop();
-    detail::store_tile<kIsL1, kWarpgroups, kWidth>(p, acc, w, m_tile, warp, g, t, smem);
+    detail::store_tile<kIsL1, kWarpgroups, kWidth, Smem::kOwnStaging>(p, acc, w, m_tile, warp, g, t,
+                                                                      smem + Smem::kStagingOffset);
   });
+  if constexpr (kOverlappedSync<kWarpgroups> == StageSync::kMbarriers) wait_stages_released<kStages>(bars);
 }
 
 }  // namespace detail
@@ -1172,12 +1188,32 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     total_work = p.tile_offsets[p.num_experts];
   }
 
-  // The absorbing tile's stage barriers (unused by the other tiles).
-  detail::StageBarriers bars{};
   if constexpr (kOverlapped && detail::kOverlappedSync<kWarpgroups> == detail::StageSync::kMbarriers) {
-    bars = detail::init_stage_barriers<kWarpgroups * w4a16::kThreadsPerWarpgroup, kStages>();
-    __syncthreads();  // the barriers' initialisation, before any thread's first copy
+    // The absorbing tile: no CTA barrier between items. Its stages pass between threads through
+    // the stage barriers, within an item and from one item to the next (gemm_item_overlapped
+    // returns once every thread has released every stage); each warpgroup runs its epilogue
+    // while the others finish their K loops, and starts the next item's copies as soon as every
+    // stage is free. Thread 0 claims the item after the current one when the current one starts
+    // and publishes it in next_work_ring[i % 2] (item i of this CTA): every thread reads it after
+    // item i's stage waits, which acquire thread 0's arrivals made after the write. Thread 0
+    // writes the slot again when item i + 2 starts, past the waits after item i + 1, i.e. after
+    // every thread has started item i + 1, having read the slot. (Claiming one item ahead: the
+    // prefill GEMMs this tile runs have tens of items per CTA.)
+    __shared__ int next_work_ring[2];
+    detail::StageBarriers bars = detail::init_stage_barriers<kWarpgroups * w4a16::kThreadsPerWarpgroup, kStages>();
+    if (tid == 0) next_work_ring[0] = detail::claim_work(p.work_counter);
+    __syncthreads();  // the barriers' initialisation, the first claim
+    int work = blockIdx.x;
+    for (int i = 0; work < total_work; ++i) {
+      const detail::WorkItem w = detail::decode_work<kBlockN>(p, work);
+      if (tid == 0 && i > 0) next_work_ring[i % 2] = detail::claim_work(p.work_counter);
+      detail::gemm_item_overlapped<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem, bars, [] {});
+      work = next_work_ring[i % 2];
+    }
+    grid_dependency_wait();
+    return;
   }
+  detail::StageBarriers bars{};  // unused by the CTA-barrier tiles
 
   for (int work = blockIdx.x; work < total_work;) {
     int next_work = 0;
