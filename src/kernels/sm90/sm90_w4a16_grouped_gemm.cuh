@@ -846,9 +846,8 @@ __device__ __forceinline__ void tail_chunks(int count, F&& f) {
 
 // How the overlapped K loop hands shared-memory stages between threads (overlapped_k_loop).
 enum class StageSync {
-  kBarrier,        // one CTA barrier per chunk
-  kBarrierPairs,   // one CTA barrier per two chunks
-  kMbarriers,      // per-stage full/empty mbarriers (StageBarriers), no CTA barrier
+  kBarrier,    // one CTA barrier per chunk
+  kMbarriers,  // per-stage full/empty mbarriers (StageBarriers), no CTA barrier
 };
 
 // mbarrier primitives (shared::cta addresses).
@@ -931,17 +930,14 @@ __device__ __forceinline__ void wait_stages_released(const StageBarriers& bars) 
 //   of chunk c and passes a CTA barrier (chunk c visible to every thread; every warpgroup has
 //   passed iteration c - 1's waits, so chunk c - 2 is done and its stage takes chunk
 //   c + kStages - 2). Copies run kStages - 2 chunks ahead.
-// - kBarrierPairs: one barrier per two chunks. Iteration c (even) waits for this thread's copies
-//   of chunks c and c + 1; past its barrier chunks c - 3 and c - 2 are done, so their stages
-//   take chunks c + kStages - 3 and c + kStages - 2; odd iterations only compute.
 // - kMbarriers (the absorbing tile: four warpgroups in one CTA, no second CTA whose wgmmas fill
 //   the tensor pipe while these decode): no CTA barrier. Iteration c waits for full[chunk c's
 //   stage] after refilling the stage of chunk c + kStages / 2 - kStages with chunk
 //   c + kStages / 2 once every thread has released that chunk (empty), and after its first step
 //   each thread releases chunk c - 1. The warpgroups drift apart: one may run up to kStages / 2
-//   chunks ahead of the slowest, where a
-//   CTA barrier per chunk or pair made all sixteen warps decode, then wait, in step (the loop's
-//   time per chunk did not depend on the token width, docs/perf/2026-11-21-h100-w4a16-v17.md).
+//   chunks ahead of the slowest, where a CTA barrier per chunk (or per two, v17) made all
+//   sixteen warps decode, then wait, in step (the loop's time per chunk did not depend on the
+//   token width, docs/perf/2026-11-21-h100-w4a16-v17.md).
 //   Copies run kStages / 2 chunks ahead.
 //   load(offset):   copies chunk (round base + offset) into stage offset % kStages;
 //   next_weights(): advances the weight sources by one chunk (after each chunk's copies);
@@ -954,11 +950,9 @@ __device__ __forceinline__ void overlapped_k_loop(int n, float (&acc)[kAcc],
                                                   NextWeights&& next_weights, NextRound&& next_round) {
   using namespace w4a16;
   static_assert(kStages >= 4, "the overlapped K loop needs kStages >= 4: two stages are held by the wgmmas in flight");
-  static_assert(kSync != StageSync::kBarrierPairs || (kStages >= 6 && kStages % 2 == 0),
-                "pairs of chunks per barrier need an even kStages >= 6");
   static_assert(kSync != StageSync::kMbarriers || kStages <= 16, "the phase bits hold up to 16 stages");
   constexpr bool kMbar = kSync == StageSync::kMbarriers;
-  constexpr int kAhead = kMbar ? kStages / 2 : kSync == StageSync::kBarrierPairs ? kStages - 3 : kStages - 2;
+  constexpr int kAhead = kMbar ? kStages / 2 : kStages - 2;
   constexpr uint32_t kAllStages = (1u << kStages) - 1;
   const uint32_t full = bars.base, empty = bars.base + 8 * kStages;
   uint32_t phases = bars.phases;  // this round's parities (flipped every round)
@@ -986,15 +980,6 @@ __device__ __forceinline__ void overlapped_k_loop(int n, float (&acc)[kAcc],
       __syncthreads();
       if (c + kStages - 2 < n) load(std::integral_constant<int, kStage + kStages - 2>{});
       detail::cp_async_commit();  // one group per chunk, empty at the end of K
-      next_weights();
-    } else if constexpr (kSync == StageSync::kBarrierPairs && kStage % 2 == 0) {
-      detail::cp_async_wait<kStages - 5>();  // this thread's copies of chunks c and c + 1
-      __syncthreads();
-      if (c + kStages - 3 < n) load(std::integral_constant<int, kStage + kStages - 3>{});
-      detail::cp_async_commit();
-      next_weights();
-      if (c + kStages - 2 < n) load(std::integral_constant<int, kStage + kStages - 2>{});
-      detail::cp_async_commit();
       next_weights();
     } else if constexpr (kMbar) {
       // Refill: chunk c + kAhead into the stage of chunk c + kAhead - kStages, once every thread
