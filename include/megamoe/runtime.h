@@ -85,9 +85,11 @@ bool can_absorb(const MoeProblem& problem);
 // The heuristic: a pure function of the problem, the token count and the device's SM count
 // (printable). `fused`, where set, replaces its choice of launch (MoeTuning::fused) before the
 // tiles that depend on it are chosen: two launches may take a wider decode tile than the fused
-// launch's.
+// launch's. `absorbing_tile` (MoeTuning::absorbing_tile): true runs both GEMMs on the absorbing
+// tile where can_absorb (MoePlan::config rejects the rest); false leaves it out, for the tile
+// the heuristic picks without it.
 MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms = 132,
-                            std::optional<bool> fused = std::nullopt);
+                            std::optional<bool> fused = std::nullopt, std::optional<bool> absorbing_tile = std::nullopt);
 
 // Overrides of the heuristic, for tuning and tests; unset fields keep the heuristic's choice.
 // MoePlan::config() rejects an override the kernels cannot run, saying what is allowed.

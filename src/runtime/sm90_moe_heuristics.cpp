@@ -84,7 +84,8 @@ double expected_tiles(int64_t tokens, double p, int block_n, int step) {
 
 }  // namespace
 
-MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms, std::optional<bool> fused) {
+MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms, std::optional<bool> fused,
+                            std::optional<bool> absorbing_tile) {
   // Average rows of B per routed expert.
   const double per_expert = problem.num_experts > 0
                                 ? static_cast<double>(tokens) * problem.top_k / problem.num_experts
@@ -212,8 +213,8 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   // (megamoe_mainloop_probe), and DeepSeek-V3 T=16384 (512 +- 23 per expert, 9% fewer tiles)
   // ran 20205/20325 -> 19259/19234 us (H100, two rounds). It ran 1% slower there before v18,
   // and at 64 tokens per expert its widths (128, 160) would double the wgmma columns.
-  if (cfg.l1.block_n == prefill.block_n && cfg.l2.block_n == prefill.block_n && problem.hidden_size >= 4096 &&
-      problem.intermediate_size >= 2048 && can_absorb(problem)) {
+  if (!absorbing_tile && cfg.l1.block_n == prefill.block_n && cfg.l2.block_n == prefill.block_n &&
+      problem.hidden_size >= 4096 && problem.intermediate_size >= 2048 && can_absorb(problem)) {
     const double tiles = expected_tile_count(prefill.block_n, prefill.block_n);
     const double absorbed = expected_tile_count(kAbsorbingTile.block_n, kAbsorbingTile.tile_step());
     if (absorbed <= 0.85 * tiles || per_expert >= 256) {
@@ -232,6 +233,16 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
       per_expert >= 256) {
     cfg.l1 = kOverlappedPrefillTile;
     cfg.l2 = kOverlappedPrefillTile;
+  }
+  // MoeTuning::absorbing_tile = true: the absorbing tile in both GEMMs at any T (two launches,
+  // no early start; L2 keeps the heuristic's K slices). false left it out above.
+  if (absorbing_tile && *absorbing_tile && can_absorb(problem)) {
+    const int l2_k_splits = cfg.l2.k_splits;
+    cfg.l1 = kAbsorbingTile;
+    cfg.l2 = kAbsorbingTile;
+    cfg.l2.k_splits = l2_k_splits;
+    cfg.fused = false;
+    cfg.early_start = false;
   }
   return cfg;
 }

@@ -256,32 +256,21 @@ MoePlan MoePlan::create(const MoeProblem& problem, const MoeTuning& tuning) {
 
 MoeConfig MoePlan::config(int64_t tokens) const {
   const MoeProblem& p = problem_;
-  // The heuristic applies tuning_.fused itself (its tile choice depends on the launch).
-  MoeConfig cfg = choose_moe_config(p, tokens, num_sms_, tuning_.fused);
+  if (tuning_.absorbing_tile && *tuning_.absorbing_tile) {
+    MEGAMOE_CHECK(can_absorb(p), kInvalidArgument, "MoeTuning.absorbing_tile: its 256-row blocks need 2I and H multiples of 256; "
+                  "this layer has I=", p.intermediate_size, ", H=", p.hidden_size);
+    MEGAMOE_CHECK(!tuning_.fused || !*tuning_.fused, kInvalidArgument,
+                  "MoeTuning.absorbing_tile runs two launches: it cannot be set with MoeTuning.fused = true");
+    MEGAMOE_CHECK(!tuning_.early_start || !*tuning_.early_start, kInvalidArgument,
+                  "MoeTuning.absorbing_tile has no early start: it cannot be set with MoeTuning.early_start = true");
+  }
+  // The heuristic applies tuning_.fused and tuning_.absorbing_tile itself (its tile choice
+  // depends on the launch; without the absorbing tile it picks another prefill tile).
+  MoeConfig cfg = choose_moe_config(p, tokens, num_sms_, tuning_.fused, tuning_.absorbing_tile);
   MEGAMOE_CHECK(!tuning_.fused || !*tuning_.fused || cfg.fused, kInvalidArgument,
                 "MoeTuning.fused: the fused launch is built for the 16- and 32-token decode tiles (",
                 kFusedTile.to_string(), ", ", kFusedTile32.to_string(), ") in both GEMMs, up to 24 tokens per expert; at T=",
                 tokens, " the heuristic picks ", cfg.to_string());
-  if (tuning_.absorbing_tile) {
-    if (*tuning_.absorbing_tile) {
-      MEGAMOE_CHECK(can_absorb(p), kInvalidArgument, "MoeTuning.absorbing_tile: its 256-row blocks need 2I and H multiples of 256; "
-                    "this layer has I=", p.intermediate_size, ", H=", p.hidden_size);
-      MEGAMOE_CHECK(!tuning_.fused || !*tuning_.fused, kInvalidArgument,
-                    "MoeTuning.absorbing_tile runs two launches: it cannot be set with MoeTuning.fused = true");
-      MEGAMOE_CHECK(!tuning_.early_start || !*tuning_.early_start, kInvalidArgument,
-                    "MoeTuning.absorbing_tile has no early start: it cannot be set with MoeTuning.early_start = true");
-      const int l2_k_splits = cfg.l2.k_splits;  // the heuristic's K slices stay
-      cfg.l1 = kAbsorbingTile;
-      cfg.l2 = kAbsorbingTile;
-      cfg.l2.k_splits = l2_k_splits;
-      cfg.fused = false;
-      cfg.early_start = false;
-    } else if (cfg.l1.last_tile_extra > 0) {
-      // The heuristic's alternative: the 128-token tile (no K slices at prefill).
-      cfg.l1 = kPrefillTile;
-      cfg.l2 = kPrefillTile;
-    }
-  }
   if (tuning_.early_start) {
     MEGAMOE_CHECK(!*tuning_.early_start || can_start_early(p, tokens), kInvalidArgument,
                   "MoeTuning.early_start: early start holds up to ", kEarlyStartMaxSelections,

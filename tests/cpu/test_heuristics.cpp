@@ -85,6 +85,30 @@ TEST(Heuristics, AbsorbingTileWhereRemaindersAreShort) {
   EXPECT_EQ(choose_moe_config(odd, 4096).l2.block_n, 64);
 }
 
+// MoeTuning::absorbing_tile: false gives the tile the heuristic picks without it (the plain
+// 128-token tile at 128 per expert, the overlapped one from 256); true takes it at any T, with
+// two launches, no early start and the heuristic's L2 K slices.
+TEST(Heuristics, AbsorbingTileOverride) {
+  const MoeProblem p = deepseek_v3();
+  const MoeConfig off4096 = choose_moe_config(p, 4096, 132, std::nullopt, false);
+  EXPECT_EQ(off4096.l1.block_n, 128);
+  EXPECT_FALSE(off4096.l1.overlapped);
+  const MoeConfig off16384 = choose_moe_config(p, 16384, 132, std::nullopt, false);
+  EXPECT_EQ(off16384.l1.block_n, 128);
+  EXPECT_TRUE(off16384.l1.overlapped);
+  EXPECT_TRUE(off16384.l2.overlapped);
+  const MoeConfig on1 = choose_moe_config(p, 1, 132, std::nullopt, true);
+  EXPECT_EQ(on1.l1.block_n, kAbsorbingTile.block_n);
+  EXPECT_EQ(on1.l2.block_n, kAbsorbingTile.block_n);
+  EXPECT_EQ(on1.l2.k_splits, choose_moe_config(p, 1).l2.k_splits);
+  EXPECT_FALSE(on1.fused);
+  EXPECT_FALSE(on1.early_start);
+  MoeProblem odd = p;
+  odd.hidden_size = 7168 + 64;
+  EXPECT_EQ(choose_moe_config(odd, 1, 132, std::nullopt, true).l1.block_n,
+            choose_moe_config(odd, 1).l1.block_n);  // cannot absorb: MoePlan::config rejects it
+}
+
 TEST(Heuristics, L2SplitsKForTinyBatches) {
   const MoeProblem dsv3 = deepseek_v3();
   EXPECT_EQ(choose_moe_config(dsv3, 1).l2.k_splits, 2);
