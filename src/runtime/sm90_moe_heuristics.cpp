@@ -19,6 +19,7 @@
 #include <optional>
 #include <sstream>
 
+#include "kernels/sm90/sm90_moe_token_tiles.h"
 #include "megamoe/runtime.h"
 
 namespace megamoe {
@@ -57,11 +58,9 @@ bool MoeConfig::can_fuse() const {
 
 namespace {
 
-// Token tiles of an expert of c slots (the dispatch kernel's expert_token_tiles).
+// Token tiles of an expert of c slots, as the dispatch kernel counts them.
 double token_tiles(int64_t c, int block_n, int step) {
-  if (c <= 0) return 0.0;
-  if (c <= block_n) return 1.0;
-  return static_cast<double>((c - (block_n - step) + step - 1) / step);
+  return static_cast<double>(kernels::sm90::expert_token_tiles(c, block_n, step));
 }
 
 // E[token_tiles(c)] for c ~ Binomial(tokens, p): an expert's expected tiles.

@@ -15,16 +15,9 @@
 #include <climits>
 #include <cstdint>
 
+#include "kernels/sm90/sm90_moe_token_tiles.h"
+
 namespace megamoe::kernels::sm90 {
-
-// Token tiles of an expert of c slots: tiles of `step` tokens, the last of which takes up to
-// block_n (block_n - step more: an absorbing tile) so that a short remainder needs no tile of its own.
-__host__ __device__ __forceinline__ int expert_token_tiles(int c, int block_n, int step) {
-  if (c <= 0) return 0;
-  if (c <= block_n) return 1;
-  return (c - (block_n - step) + step - 1) / step;
-}
-
 
 // Up to this many routed selections (T * k) the schedule is one warp's (a selection per lane).
 inline constexpr int kTinyMaxSelections = 32;
