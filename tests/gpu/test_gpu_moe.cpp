@@ -219,8 +219,8 @@ INSTANTIATE_TEST_SUITE_P(
                         {0, 1, 128, 129, 160, 161, 288, 289, 300}}, false, false, true},
         TuningCase{Case{"absorbing_shared_clamp", 256, 128, 8, 2, 600, 256, 0.25f}, false, false, true},
         TuningCase{Case{"absorbing_T3", 256, 128, 8, 2, 3}, false, false, true},
-        // One token: L2 splits K in two slices of 3 chunks, an odd count for the absorbing tile's
-        // loop of two chunks per barrier (its tail ends on the first chunk of a pair).
+        // One token: L2 splits K in two slices of 3 chunks, an item shorter than the absorbing
+        // tile's six stages (its K loop is all tail, its copies all prologue).
         TuningCase{Case{"absorbing_T1_odd_k_slices", 256, 384, 8, 2, 1}, false, false, true},
         // Two to three items per CTA (L1: 16 experts x 3 n-tiles x 5 m-blocks on one CTA per SM),
         // of 8 chunks in L1 and 10 in L2: each item leaves the six stage barriers at different
