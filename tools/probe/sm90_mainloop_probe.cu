@@ -48,10 +48,7 @@ void check(cudaError_t e, const char* what) {
 
 enum class AOperand { kRegistersConstant, kRegistersDecoded, kShared };
 
-template <size_t... I>
-__device__ __forceinline__ void wgmma_rs(const uint32_t (&a)[4], uint64_t b, float (&d)[64], std::index_sequence<I...>) {
-  Rs::fma(a[0], a[1], a[2], a[3], b, d[I]...);
-}
+// (A from registers: the library's detail::wgmma_rs<Rs>.)
 template <size_t... I>
 __device__ __forceinline__ void wgmma_ss(uint64_t a, uint64_t b, float (&d)[64], std::index_sequence<I...>) {
   Ss::fma(a, b, d[I]...);
@@ -96,7 +93,7 @@ __global__ void __launch_bounds__(512, 1) wgmma_rate_kernel(int chunks, const ui
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
         if constexpr (kA == AOperand::kShared) wgmma_ss(a_desc + s * 2, b_stage + s * 2, acc, std::make_index_sequence<64>{});
-        else wgmma_rs(a[s], b_stage + s * 2, acc, std::make_index_sequence<64>{});
+        else k90::detail::wgmma_rs<Rs>(a[s], b_stage + s * 2, acc, std::make_index_sequence<64>{});
       }
       k90::detail::wgmma_commit();
       k90::detail::wgmma_wait_all();
@@ -110,7 +107,7 @@ __global__ void __launch_bounds__(512, 1) wgmma_rate_kernel(int chunks, const ui
         make_a(s, a[s % 2]);
         k90::detail::wgmma_fence();
         if constexpr (kA == AOperand::kShared) wgmma_ss(a_desc + s * 2, b_stage + s * 2, acc, std::make_index_sequence<64>{});
-        else wgmma_rs(a[s % 2], b_stage + s * 2, acc, std::make_index_sequence<64>{});
+        else k90::detail::wgmma_rs<Rs>(a[s % 2], b_stage + s * 2, acc, std::make_index_sequence<64>{});
         k90::detail::wgmma_commit();
         k90::detail::wgmma_wait_one();
       }
