@@ -9,6 +9,7 @@
 //    eight of K = 2048 (DeepSeek-V3's L2 K): the difference is the cost of item boundaries.
 // 3. The absorbing tile's item boundaries: 2 to 16 items per CTA, and plain stores instead of
 //    the atomic combine.
+// 4. The overlapped tiles' items without their epilogue: what the boundary costs beside it.
 //
 // Each line reports TFLOP/s from CUDA events (median of the launches), the SM clock implied by
 // clock64() over the same time, and the tensor pipe's busy fraction: FLOPs over cycles of the
@@ -167,8 +168,9 @@ void wgmma_rate(const char* name, int sms, const uint32_t* words, float* out, lo
 // ---- 2. the library's mainloops ---------------------------------------------------------------
 
 // CTA b runs items (expert 0, m-block b / 4, n-tile b % 4, K slices 0 .. k_splits - 1) one after
-// the other, as a persistent CTA runs claimed items.
-template <int kWarpgroups, int kBlockN, int kStages, int kMinBlocks, bool kOverlapped>
+// the other, as a persistent CTA runs claimed items. kEpilogue = false: the overlapped tiles'
+// items without their epilogue (section 4).
+template <int kWarpgroups, int kBlockN, int kStages, int kMinBlocks, bool kOverlapped, bool kEpilogue = true>
 __global__ void __launch_bounds__(kWarpgroups * 128, kMinBlocks)
     mainloop_kernel(k90::W4a16GemmParams p, int width, long long* cycles) {
   uint8_t* smem = k90::detail::aligned_dynamic_smem();
@@ -188,7 +190,7 @@ __global__ void __launch_bounds__(kWarpgroups * 128, kMinBlocks)
   for (int s = 0; s < p.k_splits; ++s) {
     w.k_split = s;
     if constexpr (kOverlapped) {
-      k90::detail::gemm_item_overlapped<false, kWarpgroups, kBlockN, kStages>(p, w, smem, bars, [] {});
+      k90::detail::gemm_item_overlapped<false, kWarpgroups, kBlockN, kStages, kEpilogue>(p, w, smem, bars, [] {});
     } else {
       k90::detail::gemm_item<false, kWarpgroups, kBlockN, kStages>(p, w, smem, [] {});
     }
@@ -202,10 +204,10 @@ struct MainloopBuffers {
   long long* cycles = nullptr;
 };
 
-template <int kWarpgroups, int kBlockN, int kStages, int kMinBlocks, bool kOverlapped>
+template <int kWarpgroups, int kBlockN, int kStages, int kMinBlocks, bool kOverlapped, bool kEpilogue = true>
 void mainloop_rate(const char* name, int sms, int width, int k_total, int items, MainloopBuffers& buf) {
   using Smem = k90::W4a16SmemLayout<kWarpgroups, kBlockN, kStages>;
-  auto* kernel = &mainloop_kernel<kWarpgroups, kBlockN, kStages, kMinBlocks, kOverlapped>;
+  auto* kernel = &mainloop_kernel<kWarpgroups, kBlockN, kStages, kMinBlocks, kOverlapped, kEpilogue>;
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem::kAllocBytes), "smem attribute");
   check(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100), "carveout");
   int per_sm = 0;
@@ -318,5 +320,13 @@ int main() {
   check(cudaMalloc(&y_slot, size_t(rows) * max_m_tiles * 64 * 4), "cudaMalloc");
   p.y_slot = y_slot;
   mainloop_rate<4, 160, 6, 1, true>("4 warpgroups, 160 tokens, 6 stages, overlapped, slot stores", sms, 160, k_total, 8, buf);
+  // 4. The same items without their epilogue: the rest of the boundary's cost (fill, drain, the
+  // item loop). On the H100 the absorbing tile ran 8 x K=2048 at 92% without it, 65% with it
+  // (docs/perf/2026-11-22-h100-w4a16-v19.md).
+  std::printf("4. the overlapped tiles without their epilogue\n");
+  for (int items : {1, 8, 16}) {
+    mainloop_rate<4, 160, 6, 1, true, false>("4 warpgroups, 160 tokens, 6 stages, no epilogue", sms, 160, k_total, items, buf);
+    mainloop_rate<2, 128, 4, 2, true, false>("2 warpgroups, 128 tokens, 4 stages, no epilogue", sms, 128, k_total, items, buf);
+  }
   return 0;
 }

@@ -1070,8 +1070,10 @@ inline constexpr StageSync kOverlappedSync = kWarpgroups == 4 ? StageSync::kMbar
 // rows, outside the token width (per-width copy state cost registers per width). Rows past the
 // item's slots are zero-filled (src-size 0, no global read).
 // bars: the stage barriers (kOverlappedSync == kMbarriers), set up once per CTA by
-// init_stage_barriers and carried from item to item.
-template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, class AfterMainloop>
+// init_stage_barriers and carried from item to item. kEpilogue = false leaves the epilogue out
+// (megamoe_mainloop_probe: what the item boundary costs without it; the accumulators' sum is
+// stored only where it is exactly -1, so that the K loop stays).
+template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, bool kEpilogue = true, class AfterMainloop>
 __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, const WorkItem& w, uint8_t* smem,
                                                      StageBarriers& bars, AfterMainloop&& after_mainloop) {
   using namespace w4a16;
@@ -1131,8 +1133,16 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
     // wait_all, not wait_group 0).
     detail::cp_async_wait_all();
     after_mainloop();
-    detail::store_tile<kIsL1, kWarpgroups, kWidth, Smem::kOwnStaging>(p, acc, w, m_tile, warp, g, t,
-                                                                      smem + Smem::kStagingOffset);
+    if constexpr (kEpilogue) {
+      detail::store_tile<kIsL1, kWarpgroups, kWidth, Smem::kOwnStaging>(p, acc, w, m_tile, warp, g, t,
+                                                                        smem + Smem::kStagingOffset);
+    } else {
+      // Consume the accumulators, or ptxas drops the decode that feeds the (then dead) wgmmas.
+      float sum = 0.0f;
+      #pragma unroll
+      for (int i = 0; i < kAcc; ++i) sum += acc[i];
+      if (sum == -1.0f) p.out_acc[threadIdx.x] = sum;
+    }
   });
   if constexpr (kOverlappedSync<kWarpgroups> == StageSync::kMbarriers) wait_stages_released<kStages>(bars);
 }
