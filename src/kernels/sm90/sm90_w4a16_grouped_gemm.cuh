@@ -412,11 +412,12 @@ __device__ __forceinline__ void red_add_v4(float* dst, float x, float y, float z
                : "memory");
 }
 
-// The L2 combine's staging in shared memory (store_tile, both combines): per warp, kStagedColumns tokens
-// of its 16 rows, kStagedStride floats apart. 20 (not 16) puts the scalar stores of a warp's
-// (4 tokens, 8 rows) on 32 distinct banks and keeps each token's rows 16-byte aligned.
+// The L2 combine's staging in shared memory (store_tile, both combines): per warpgroup,
+// kStagedColumns tokens of its 64 rows, kStagedStride floats apart. 68 (not 64) puts the scalar
+// stores of a warp's (4 tokens, 8 rows) on 32 distinct banks and keeps each token's rows 16-byte
+// aligned (272 B apart).
 inline constexpr int kStagedColumns = 32;
-inline constexpr int kStagedStride = 20;
+inline constexpr int kStagedStride = 68;
 
 // Epilogue of one warpgroup's (64, BLOCK_N) tile m_tile, r0 = 16 * warp + g.
 // staging: the L2 combine's staging in shared memory (Smem::kStagingOffset); kOwnStaging: it is
@@ -483,63 +484,72 @@ __device__ __forceinline__ void store_tile(const W4a16GemmParams& p, const float
         }
       }
       return;
-    }
-    // Both combines go through a transpose in shared memory. The accumulators give a thread two
-    // rows (r0, r0 + 8) of many tokens, so storing them as they lie takes one 4-byte access per
-    // element (a warp's instruction: 4 tokens x 8 rows). Staged per warp as (token, 16 rows)
-    // columns, a lane holds 4 consecutive rows of one token and writes them with one 16-byte
-    // access: a quarter of the instructions. Atomic combine: red.global.add.v4.f32 (sm_90) into
-    // out_acc[token]; deterministic: a store to y_slot[slot] (the combine kernel sums the slots
-    // in a fixed order). On items of K = 2048 (megamoe_mainloop_probe, H100) the 128-token tile
-    // ran at 54% of the tensor rate with per-element atomics and 64% with these.
-    // The staging reuses the B stages, free once every warpgroup is past its last wgmma (the
-    // barrier below), unless the tile has its own (kOwnStaging); the caller's barrier after the
-    // item hands the B stages back to the next item.
-    constexpr int kCols = kBlockN % kStagedColumns == 0 ? kStagedColumns : 16;  // tokens per staging pass
-    const int lane = threadIdx.x % 32;
-    float* const staging = reinterpret_cast<float*>(staging_smem) + (threadIdx.x / 32) * kStagedColumns * kStagedStride;
-    const int quad = lane % 4;                    // rows 4 * quad .. + 3 of the warp's 16
-    const int64_t rows = row0 - g + 4 * quad;     // row0 - g: the warp's first row
-    const bool to_slots = p.y_slot != nullptr;
-    if constexpr (!kOwnStaging) __syncthreads();
-    #pragma unroll
-    for (int first = 0; first < kBlockN; first += kCols) {
-      // This lane's rows in the pass: columns first + 8 j + lane / 4, their destination row
-      // (token or slot, -1 past the item's slots) and routing weight. Loaded before the staging
-      // stores, so their round trip overlaps them.
-      int32_t dst_row[kCols / 8];
-      float weight[kCols / 8];
+    } else {
+      // Both combines go through a transpose in shared memory. The accumulators give a thread two
+      // rows (r0, r0 + 8) of many tokens, so storing them as they lie takes one 4-byte access per
+      // element (a warp's instruction: 4 tokens x 8 rows). Staged per warpgroup as (token, 64 rows)
+      // columns, a lane holds 4 consecutive rows of one token and writes them with one 16-byte
+      // access: a quarter of the instructions, and a warp's instruction covers two tokens' 64 rows,
+      // i.e. whole 128-byte lines. Atomic combine: red.global.add.v4.f32 (sm_90) into
+      // out_acc[token]; deterministic: a store to y_slot[slot] (the combine kernel sums the slots in
+      // a fixed order). On items of K = 2048 (megamoe_mainloop_probe, H100) the 128-token tile ran
+      // at 54% of the tensor rate with per-element atomics and 64% with per-warp staging (each
+      // token's 16 rows of a warp: 64-byte pieces); the absorbing tile went from 65.3% to 70.8%
+      // with whole lines (docs/perf/2026-11-22-h100-w4a16-v19.md): the combine's cost follows the
+      // number of requests that leave the SM, not only its bytes.
+      // The staging reuses the B stages, free once every warpgroup is past its last wgmma (the
+      // barrier below), unless the tile has its own (kOwnStaging); the caller's barrier after the
+      // item hands the B stages back to the next item. Within a pass the warpgroup's warps meet at a
+      // named barrier (id 1 + warpgroup; id 0 is __syncthreads).
+      static_assert(kBlockN % kStagedColumns == 0, "the staged combine passes kStagedColumns tokens at a time");
+      const int lane = threadIdx.x % 32;
+      const int wg = threadIdx.x / kThreadsPerWarpgroup;
+      float* const staging = reinterpret_cast<float*>(staging_smem) + wg * kStagedColumns * kStagedStride;
+      const int half = lane / 16;                                             // which of two tokens
+      const int64_t rows = static_cast<int64_t>(m_tile) * kTileM + 4 * (lane % 16);  // this lane's 4 rows
+      const bool to_slots = p.y_slot != nullptr;
+      auto warpgroup_barrier = [wg] { asm volatile("bar.sync %0, 128;\n" :: "r"(1 + wg) : "memory"); };
+      if constexpr (!kOwnStaging) __syncthreads();
       #pragma unroll
-      for (int j = 0; j < kCols / 8; ++j) {
-        const int slot = w.slot_begin + first + 8 * j + lane / 4;
-        const bool valid = slot < w.slot_end;
-        dst_row[j] = !valid ? -1 : (to_slots ? slot : p.slot_token[slot]);
-        weight[j] = valid && !to_slots ? p.slot_weight[slot] : 0.0f;
-      }
-      // Same order as the semantics: y = acc * s2 here, times the routing weight below.
-      #pragma unroll
-      for (int i = first / 8; i < (first + kCols) / 8; ++i) {
+      for (int first = 0; first < kBlockN; first += kStagedColumns) {
+        // This lane's tokens in the pass: columns first + 8 warp + 2 j + half, their destination row
+        // (token or slot, -1 past the item's slots) and routing weight. Loaded before the staging
+        // stores, so their round trip overlaps them.
+        int32_t dst_row[kStagedColumns / 8];
+        float weight[kStagedColumns / 8];
         #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          float* col = staging + (8 * i - first + 2 * t + c) * kStagedStride;
-          col[g] = acc[4 * i + c] * s2;
-          col[g + 8] = acc[4 * i + 2 + c] * s2;
+        for (int j = 0; j < kStagedColumns / 8; ++j) {
+          const int slot = w.slot_begin + first + 8 * warp + 2 * j + half;
+          const bool valid = slot < w.slot_end;
+          dst_row[j] = !valid ? -1 : (to_slots ? slot : p.slot_token[slot]);
+          weight[j] = valid && !to_slots ? p.slot_weight[slot] : 0.0f;
         }
-      }
-      __syncwarp();
-      #pragma unroll
-      for (int j = 0; j < kCols / 8; ++j) {
-        if (dst_row[j] >= 0) {
-          const float4 y = *reinterpret_cast<const float4*>(staging + (8 * j + lane / 4) * kStagedStride + 4 * quad);
-          const int64_t offset = static_cast<int64_t>(dst_row[j]) * p.out_ld + rows;
-          if (to_slots) {
-            *reinterpret_cast<float4*>(p.y_slot + offset) = y;
-          } else {
-            red_add_v4(p.out_acc + offset, y.x * weight[j], y.y * weight[j], y.z * weight[j], y.w * weight[j]);
+        // Same order as the semantics: y = acc * s2 here, times the routing weight below.
+        #pragma unroll
+        for (int i = first / 8; i < (first + kStagedColumns) / 8; ++i) {
+          #pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            float* col = staging + (8 * i - first + 2 * t + c) * kStagedStride + 16 * warp;
+            col[g] = acc[4 * i + c] * s2;
+            col[g + 8] = acc[4 * i + 2 + c] * s2;
           }
         }
+        warpgroup_barrier();
+        #pragma unroll
+        for (int j = 0; j < kStagedColumns / 8; ++j) {
+          if (dst_row[j] >= 0) {
+            const float4 y =
+                *reinterpret_cast<const float4*>(staging + (8 * warp + 2 * j + half) * kStagedStride + 4 * (lane % 16));
+            const int64_t offset = static_cast<int64_t>(dst_row[j]) * p.out_ld + rows;
+            if (to_slots) {
+              *reinterpret_cast<float4*>(p.y_slot + offset) = y;
+            } else {
+              red_add_v4(p.out_acc + offset, y.x * weight[j], y.y * weight[j], y.z * weight[j], y.w * weight[j]);
+            }
+          }
+        }
+        warpgroup_barrier();  // the next pass overwrites the staging
       }
-      __syncwarp();  // the next pass overwrites the staging
     }
   }
 }
@@ -559,7 +569,7 @@ struct W4a16SmemLayout {
   // last wgmma (a CTA barrier); the absorbing tile (four warpgroups), whose warpgroups run their
   // epilogues while others still compute (no CTA barrier between items), has its own.
   static constexpr bool kOwnStaging = kWarpgroups == 4;
-  static constexpr int kStagingBytes = kWarpgroups * 4 * detail::kStagedColumns * detail::kStagedStride * 4;
+  static constexpr int kStagingBytes = kWarpgroups * detail::kStagedColumns * detail::kStagedStride * 4;
   static constexpr int kStagingOffset = kOwnStaging ? kScaleOffset + kStages * kScaleStageBytes : kBOffset;
   static constexpr int kBytes = kScaleOffset + kStages * kScaleStageBytes + (kOwnStaging ? kStagingBytes : 0);
   static constexpr int kAllocBytes = kBytes + 1024;  // room to align the base to 1024 B
