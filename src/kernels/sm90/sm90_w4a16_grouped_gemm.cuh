@@ -494,7 +494,7 @@ __device__ __forceinline__ void store_tile(const W4a16GemmParams& p, const float
       // out_acc[token]; deterministic: a store to y_slot[slot] (the combine kernel sums the slots in
       // a fixed order). On items of K = 2048 (megamoe_mainloop_probe, H100) the 128-token tile ran
       // at 54% of the tensor rate with per-element atomics and 64% with per-warp staging (each
-      // token's 16 rows of a warp: 64-byte pieces); the absorbing tile went from 65.3% to 70.8%
+      // token's 16 rows of a warp: 64-byte pieces); the absorbing tile went from 65.3% to 71.2%
       // with whole lines (docs/perf/2026-11-22-h100-w4a16-v19.md): the combine's cost follows the
       // number of requests that leave the SM, not only its bytes.
       // The staging reuses the B stages, free once every warpgroup is past its last wgmma (the
