@@ -203,20 +203,26 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   // The absorbing tile in both GEMMs where a remainder of up to 32 tokens per expert is common:
   // the 128-token tile then runs it as an item of its own, which decodes every weight again. Both
   // GEMMs: at DeepSeek-V3 T=4096 (H200, us, two rounds) the 128-token tile ran 6587/6575, the
-  // absorbing tile in L1 only 6267/6213, in L2 only 6521/6548, in both 6031/6025. Only long K
-  // (H >= 4096, I >= 2048): its one CTA per SM has no other CTA to cover an item's pipeline fill
-  // and epilogue, and Qwen3-30B (H = 2048, I = 768) ran slower at T=4096 (755 -> 775 L1 only,
-  // 784 L2 only). Where it saves tiles (15% or more), or from 256 tokens per expert, where most
-  // items are whole 128-token tiles: with its stages passed by mbarriers (v18) its K loop runs
-  // long items at 92% of the tensor rate against the overlapped 128-token tile's 80-87%
-  // (megamoe_mainloop_probe), and DeepSeek-V3 T=16384 (512 +- 23 per expert, 9% fewer tiles)
-  // ran 20205/20325 -> 19259/19234 us (H100, two rounds). It ran 1% slower there before v18,
-  // and at 64 tokens per expert its widths (128, 160) would double the wgmma columns.
-  if (!absorbing_tile && cfg.l1.block_n == prefill.block_n && cfg.l2.block_n == prefill.block_n &&
-      problem.hidden_size >= 4096 && problem.intermediate_size >= 2048 && can_absorb(problem)) {
+  // absorbing tile in L1 only 6267/6213, in L2 only 6521/6548, in both 6031/6025.
+  // Long K (H >= 4096, I >= 2048): where it saves tiles (15% or more), or from 256 tokens per
+  // expert, where most items are whole 128-token tiles: with its stages passed by mbarriers (v18)
+  // its K loop runs long items at 92% of the tensor rate against the overlapped 128-token tile's
+  // 80-87% (megamoe_mainloop_probe), and DeepSeek-V3 T=16384 (512 +- 23 per expert, 9% fewer
+  // tiles) ran 20205/20325 -> 19259/19234 us (H100, two rounds). It ran 1% slower there before
+  // v18, and at 64 tokens per expert its widths (128, 160) would double the wgmma columns.
+  // Short K (Qwen3: L2's K = I = 768 or 1536): its one CTA per SM has no other CTA to cover an
+  // item's fill and epilogue, which short items make frequent, so only where it saves a quarter
+  // of the tiles, around 128-160 tokens per expert. H100, two rounds (us, 128-token tile ->
+  // absorbing): Qwen3-30B T=2048 (128 per expert, 0.68 of the tiles) 408.9/408.4 -> 376.0/373.9,
+  // Qwen3-235B T=2048 1330.6/1333.4 -> 1144.6/1147.0; where it saves fewer it lost or tied:
+  // Qwen3-30B T=1024, 1536, 3072 (1.0 of the tiles) 253/305/553 -> 310/331/617, T=4096 (0.81)
+  // 681.6/681.6 -> 680.4/682.4, T=8192 (0.91) 1306.6/1307.0 -> 1341.8/1340.9
+  // (docs/perf/2026-11-22-h100-w4a16-v21.md).
+  if (!absorbing_tile && cfg.l1.block_n == prefill.block_n && cfg.l2.block_n == prefill.block_n && can_absorb(problem)) {
     const double tiles = expected_tile_count(prefill.block_n, prefill.block_n);
     const double absorbed = expected_tile_count(kAbsorbingTile.block_n, kAbsorbingTile.tile_step());
-    if (absorbed <= 0.85 * tiles || per_expert >= 256) {
+    const bool long_k = problem.hidden_size >= 4096 && problem.intermediate_size >= 2048;
+    if (long_k ? absorbed <= 0.85 * tiles || per_expert >= 256 : absorbed <= 0.75 * tiles) {
       cfg.l1 = kAbsorbingTile;
       cfg.l2 = kAbsorbingTile;
     }

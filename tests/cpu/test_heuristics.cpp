@@ -55,13 +55,13 @@ TEST(Heuristics, OverlappedPrefillTileForManyTokensPerExpert) {
   }
   EXPECT_FALSE(choose_moe_config(dsv3, 6144).l1.overlapped);   // 192 per expert
   EXPECT_FALSE(choose_moe_config(qwen3, 1024).l1.overlapped);  // 64 per expert: widths 64 / 128 waste
-  EXPECT_FALSE(choose_moe_config(qwen3, 2048).l1.overlapped);  // 128 per expert
+  EXPECT_FALSE(choose_moe_config(qwen3, 1536).l1.overlapped);  // 96 per expert
   EXPECT_TRUE(choose_moe_config(dsv3, 4096).l1.overlapped);    // the absorbing tile, always overlapped
   EXPECT_FALSE(choose_moe_config(dsv3, 1024).l1.overlapped);
 }
 
-// The absorbing tile where K is long and an expert's remainder of up to 32 tokens is common or
-// most items are whole 128-token tiles.
+// The absorbing tile where an expert's remainder of up to 32 tokens is common or (long K) most
+// items are whole 128-token tiles.
 TEST(Heuristics, AbsorbingTileWhereRemaindersAreShort) {
   const MoeProblem p = deepseek_v3();
   // 128 +- 11, 256 +- 16 and 512 +- 23 tokens per expert (the last: 9% fewer tiles, absorbed
@@ -77,7 +77,15 @@ TEST(Heuristics, AbsorbingTileWhereRemaindersAreShort) {
   }
   EXPECT_EQ(choose_moe_config(p, 3072).l1.block_n, 128);  // 96 per expert: nothing to absorb
   EXPECT_EQ(choose_moe_config(p, 6144).l1.block_n, 128);  // 192 per expert: remainders of 64
-  EXPECT_EQ(choose_moe_config(qwen3_30b(), 4096).l1.block_n, 128);  // H = 2048, I = 768: short K
+  // Short K (Qwen3-30B: H = 2048, I = 768): only where it saves a quarter of the tiles.
+  const MoeProblem qwen3 = qwen3_30b();
+  for (int64_t T : {2048, 2304, 2560}) {  // 128, 144, 160 per expert: 0.68, 0.57, 0.74 of the tiles
+    EXPECT_EQ(choose_moe_config(qwen3, T).l1.block_n, kAbsorbingTile.block_n) << "T=" << T;
+    EXPECT_EQ(choose_moe_config(qwen3, T).l2.block_n, kAbsorbingTile.block_n) << "T=" << T;
+  }
+  for (int64_t T : {1536, 3072, 4096, 8192, 16384}) {  // 1.0, 1.0, 0.81, 0.91, 0.96
+    EXPECT_EQ(choose_moe_config(qwen3, T).l1.block_n, 128) << "T=" << T;
+  }
   EXPECT_TRUE(can_absorb(p));
   MoeProblem odd = p;
   odd.hidden_size = 7168 + 64;  // 113 row tiles of W2: not whole 256-row blocks

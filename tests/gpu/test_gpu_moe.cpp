@@ -225,7 +225,10 @@ INSTANTIATE_TEST_SUITE_P(
         // Two to three items per CTA (L1: 16 experts x 3 n-tiles x 5 m-blocks on one CTA per SM),
         // of 8 chunks in L1 and 10 in L2: each item leaves the six stage barriers at different
         // phases for the next (StageSync::kMbarriers).
-        TuningCase{Case{"absorbing_many_items", 512, 640, 16, 4, 1200}, false, false, true}),
+        TuningCase{Case{"absorbing_many_items", 512, 640, 16, 4, 1200}, false, false, true},
+        // Qwen3-30B's H and I (the heuristic's absorbing tile around 128 tokens per expert): L2
+        // items of 12 chunks, L1 items of 32 over 6 row blocks.
+        TuningCase{Case{"absorbing_qwen3_30b_shape", 2048, 768, 8, 2, 700}, false, false, true}),
     [](const ::testing::TestParamInfo<TuningCase>& info) { return std::string(info.param.c.name); });
 
 // DeepGEMM's rule for a fused path: bitwise equal to the unfused pipeline of the library's own
