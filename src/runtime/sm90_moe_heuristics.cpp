@@ -213,12 +213,15 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   // Short K (Qwen3: L2's K = I = 768 or 1536): its one CTA per SM has no other CTA to cover an
   // item's fill and epilogue, which short items make frequent, so only where it saves a quarter
   // of the tiles, around 128-160 tokens per expert. H100, two rounds (us, 128-token tile ->
-  // absorbing): Qwen3-30B T=2048 (128 per expert, 0.68 of the tiles) 408.9/408.4 -> 376.0/373.9,
-  // Qwen3-235B T=2048 1330.6/1333.4 -> 1144.6/1147.0; where it saves fewer it lost or tied:
+  // absorbing): Qwen3-30B T=2048 / 2304 / 2560 (128 / 144 / 160 per expert: 0.68 / 0.57 / 0.74 of
+  // the tiles) 404.8/402.9 -> 374.1/372.4, 477.0/477.1 -> 430.8/426.1, 504.8/509.6 -> 494.7/493.0;
+  // Qwen3-235B 1330.3/1324.2 -> 1148.9/1146.3, 1535.3/1617.5 -> 1261.0/1254.1, 1653.4/1655.4 ->
+  // 1550.4/1551.0. Where it saves fewer it lost or tied:
   // Qwen3-30B T=1024, 1536, 3072 (1.0 of the tiles) 253/305/553 -> 310/331/617, T=4096 (0.81)
   // 681.6/681.6 -> 680.4/682.4, T=8192 (0.91) 1306.6/1307.0 -> 1341.8/1340.9
   // (docs/perf/2026-11-22-h100-w4a16-v21.md).
-  if (!absorbing_tile && cfg.l1.block_n == prefill.block_n && cfg.l2.block_n == prefill.block_n && can_absorb(problem)) {
+  if (!absorbing_tile && cfg.l1.block_n == prefill.block_n && cfg.l2.block_n == prefill.block_n &&
+      can_absorb(problem)) {
     const double tiles = expected_tile_count(prefill.block_n, prefill.block_n);
     const double absorbed = expected_tile_count(kAbsorbingTile.block_n, kAbsorbingTile.tile_step());
     const bool long_k = problem.hidden_size >= 4096 && problem.intermediate_size >= 2048;
