@@ -8,8 +8,9 @@
 // consumer warpgroups share a 128-token B tile, halving the B traffic per decoded weight and
 // giving the tensor cores long wgmma runs; from 256 tokens per expert its warpgroups overlap
 // each k16 step's decode with the previous step's wgmma (kOverlappedPrefillTile); where an
-// expert's remainder past its 128-token tiles is usually short and K is long, the absorbing tile
-// (kAbsorbingTile) folds it into the last tile. Within a tile, each work item runs at the narrowest
+// expert's remainder past its 128-token tiles is usually short, the absorbing tile
+// (kAbsorbingTile) folds it into the last tile (at short K only where that saves a quarter of the
+// tiles). Within a tile, each work item runs at the narrowest
 // token width that holds its slots (the kernel's choice, not this heuristic's). On the 16- and
 // 32-token tiles both GEMMs run as one persistent launch where L1's items end in a partial wave
 // (0.6-4.5 waves of the 16-token tile's CTA slots, up to 4.8 of the 32-token tile's): L2 items
@@ -216,10 +217,9 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   // absorbing): Qwen3-30B T=2048 / 2304 / 2560 (128 / 144 / 160 per expert: 0.68 / 0.57 / 0.74 of
   // the tiles) 404.8/402.9 -> 374.1/372.4, 477.0/477.1 -> 430.8/426.1, 504.8/509.6 -> 494.7/493.0;
   // Qwen3-235B 1330.3/1324.2 -> 1148.9/1146.3, 1535.3/1617.5 -> 1261.0/1254.1, 1653.4/1655.4 ->
-  // 1550.4/1551.0. Where it saves fewer it lost or tied:
-  // Qwen3-30B T=1024, 1536, 3072 (1.0 of the tiles) 253/305/553 -> 310/331/617, T=4096 (0.81)
-  // 681.6/681.6 -> 680.4/682.4, T=8192 (0.91) 1306.6/1307.0 -> 1341.8/1340.9
-  // (docs/perf/2026-11-22-h100-w4a16-v21.md).
+  // 1550.4/1551.0. Where it saves fewer it lost or tied: Qwen3-30B T=1024, 1536, 3072 (1.0 of
+  // the tiles) 253/305/553 -> 310/331/617, T=4096 (0.81) 681.6/681.6 -> 680.4/682.4, T=8192
+  // (0.91) 1306.6/1307.0 -> 1341.8/1340.9 (docs/perf/2026-11-22-h100-w4a16-v21.md).
   if (!absorbing_tile && cfg.l1.block_n == prefill.block_n && cfg.l2.block_n == prefill.block_n &&
       can_absorb(problem)) {
     const double tiles = expected_tile_count(prefill.block_n, prefill.block_n);
