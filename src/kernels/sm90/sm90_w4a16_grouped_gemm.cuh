@@ -184,7 +184,17 @@ __device__ __forceinline__ void with_token_width(int rows, F&& f) {
 template <int kBlockN>
 inline constexpr int kChunksPerGroup = kBlockN <= 64 ? 2 : 1;
 
-__device__ __forceinline__ float silu(float x) { return x / (1.0f + __expf(-x)); }
+// silu(x) = x * sigmoid(x), the sigmoid from the SFU's approximate ex2 and rcp (flush to zero):
+// five instructions. x / (1 + __expf(-x)) compiled to ~16 (the IEEE division's FCHK, Newton
+// steps and slow-path call, ex2's subnormal fix-ups), a fifth of the L1 epilogue's instructions.
+// The result is within a few fp32 ulps of the exact one before its single rounding to bf16
+// (DESIGN.md §2). Limits: x -> -inf gives -0 (rcp(inf) = 0), x -> +inf gives x.
+__device__ __forceinline__ float silu(float x) {
+  float e, r;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(e) : "f"(x * -1.4426950408889634f));  // exp(-x)
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(1.0f + e));
+  return x * r;
+}
 
 // Zeroes `count` floats (a multiple of 4) with the whole grid. Kept out of line so its registers
 // do not add to the mainloop's.
@@ -431,14 +441,52 @@ __device__ __forceinline__ void store_tile(const W4a16GemmParams& p, const float
     // The A operand carries 2^-8 (sm90_w4a16_layout.h); scaling s2 by 2^8 is exact and gives the
     // same rounding as unscaling the accumulator first.
     const float s2_gate = p.s2_a[e] * kAccumulatorUnscale, s2_up = p.s2_b[e] * kAccumulatorUnscale;
-    const int64_t col_j = w13_intermediate_column(m_tile, warp * 16 + g);
-    for_each_valid_column<kBlockN>(w, t, [&](int slot, int j_gate, int j_up) {
-      float gate = acc[j_gate] * s2_gate;
-      float up = acc[j_up] * s2_up;
-      gate = fminf(gate, p.swiglu_limit);
-      up = fminf(fmaxf(up, -p.swiglu_limit), p.swiglu_limit);
-      p.act[static_cast<int64_t>(slot) * p.act_ld + col_j] = __float2bfloat16_rn(silu(gate) * up);
-    });
+    auto swiglu = [&](float gate_acc, float up_acc) {
+      const float gate = fminf(gate_acc * s2_gate, p.swiglu_limit);
+      const float up = fminf(fmaxf(up_acc * s2_up, -p.swiglu_limit), p.swiglu_limit);
+      return __float2bfloat16_rn(silu(gate) * up);
+    };
+    if constexpr (kWarpgroups == 1) {
+      // The one-warpgroup (decode) tiles store element by element (their items are narrow; see
+      // the L2 branch).
+      const int64_t col_j = w13_intermediate_column(m_tile, warp * 16 + g);
+      for_each_valid_column<kBlockN>(w, t, [&](int slot, int j_gate, int j_up) {
+        p.act[static_cast<int64_t>(slot) * p.act_ld + col_j] = swiglu(acc[j_gate], acc[j_up]);
+      });
+    } else {
+      // Through shared memory, per warp. A warp's gate / up row pairs are 8 consecutive act
+      // columns (w13_intermediate_column), 16 bytes of each token's row, spread over the 8 lanes
+      // of a quad column (g); element by element, each 2-byte store cost an address of its own
+      // (ptxas spilled the 64-bit addresses to local memory), 22% of the absorbing L1 kernel's
+      // instructions at Qwen3-30B T=16384 (ncu). Staged as (kStagedColumns tokens, 8 columns),
+      // lane L writes token L's 16 bytes with one store. The warp's region (512 bytes) is its
+      // own: __syncwarp orders it.
+      static_assert(kBlockN % kStagedColumns == 0, "the staged epilogue passes kStagedColumns tokens at a time");
+      static_assert(kStagedColumns == 32, "one token per lane in a pass");
+      static_assert(kStagedColumns * 8 * 2 * 4 <= kStagedColumns * kStagedStride * 4,
+                    "a warpgroup's four (kStagedColumns, 8) bf16 regions must fit its staging");
+      const int lane = threadIdx.x % 32;
+      const int wg = threadIdx.x / kThreadsPerWarpgroup;
+      __nv_bfloat16* const stage = reinterpret_cast<__nv_bfloat16*>(staging_smem + wg * kStagedColumns * kStagedStride * 4) +
+                                   warp * kStagedColumns * 8;  // (kStagedColumns, 8)
+      __nv_bfloat16* const act_cols = p.act + w13_intermediate_column(m_tile, warp * 16);
+      if constexpr (!kOwnStaging) __syncthreads();  // the B stages are free once every wgmma is done
+      #pragma unroll
+      for (int first = 0; first < kBlockN; first += kStagedColumns) {
+        #pragma unroll
+        for (int i = first / 8; i < (first + kStagedColumns) / 8; ++i) {
+          #pragma unroll
+          for (int c = 0; c < 2; ++c) stage[(8 * i - first + 2 * t + c) * 8 + g] = swiglu(acc[4 * i + c], acc[4 * i + 2 + c]);
+        }
+        __syncwarp();
+        const int slot = w.slot_begin + first + lane;
+        if (slot < w.slot_end) {
+          *reinterpret_cast<uint4*>(act_cols + static_cast<int64_t>(slot) * p.act_ld) =
+              *reinterpret_cast<const uint4*>(stage + lane * 8);
+        }
+        __syncwarp();  // the next pass overwrites the region
+      }
+    }
   } else {
     const float s2 = p.s2_a[e] * kAccumulatorUnscale;  // exact, see the L1 branch
     const int64_t row0 = static_cast<int64_t>(m_tile) * kTileM + warp * 16 + g;
