@@ -9,8 +9,8 @@
 // giving the tensor cores long wgmma runs; from 256 tokens per expert its warpgroups overlap
 // each k16 step's decode with the previous step's wgmma (kOverlappedPrefillTile); where an
 // expert's remainder past its 128-token tiles is usually short, the absorbing tile
-// (kAbsorbingTile) folds it into the last tile (at short K only where that saves a quarter of the
-// tiles). Within a tile, each work item runs at the narrowest
+// (kAbsorbingTile) folds it into the last tile; from 256 tokens per expert it runs every prefill
+// (its four warpgroups share one B tile). Within a tile, each work item runs at the narrowest
 // token width that holds its slots (the kernel's choice, not this heuristic's). On the 16- and
 // 32-token tiles both GEMMs run as one persistent launch where L1's items end in a partial wave
 // (0.6-4.5 waves of the 16-token tile's CTA slots, up to 4.8 of the 32-token tile's): L2 items
@@ -212,20 +212,24 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   // tiles) ran 20205/20325 -> 19259/19234 us (H100, two rounds). It ran 1% slower there before
   // v18, and at 64 tokens per expert its widths (128, 160) would double the wgmma columns.
   // Short K (Qwen3: L2's K = I = 768 or 1536): its one CTA per SM has no other CTA to cover an
-  // item's fill and epilogue, which short items make frequent, so only where it saves a quarter
-  // of the tiles, around 128-160 tokens per expert. H100, two rounds (us, 128-token tile ->
-  // absorbing): Qwen3-30B T=2048 / 2304 / 2560 (128 / 144 / 160 per expert: 0.68 / 0.57 / 0.74 of
-  // the tiles) 404.8/402.9 -> 374.1/372.4, 477.0/477.1 -> 430.8/426.1, 504.8/509.6 -> 494.7/493.0;
-  // Qwen3-235B 1330.3/1324.2 -> 1148.9/1146.3, 1535.3/1617.5 -> 1261.0/1254.1, 1653.4/1655.4 ->
-  // 1550.4/1551.0. Where it saves fewer it lost or tied: Qwen3-30B T=1024, 1536, 3072 (1.0 of
-  // the tiles) 253/305/553 -> 310/331/617, T=4096 (0.81) 681.6/681.6 -> 680.4/682.4, T=8192
-  // (0.91) 1306.6/1307.0 -> 1341.8/1340.9 (docs/perf/2026-11-22-h100-w4a16-v21.md).
+  // item's fill and epilogue, which short items make frequent: where it saves a quarter of the
+  // tiles (around 128-160 tokens per expert), or from 256 per expert. H100, two rounds (us,
+  // 128-token tile -> absorbing): Qwen3-30B T=2048 / 2304 / 2560 (128 / 144 / 160 per expert:
+  // 0.68 / 0.57 / 0.74 of the tiles) 404.8/402.9 -> 374.1/372.4, 477.0/477.1 -> 430.8/426.1,
+  // 504.8/509.6 -> 494.7/493.0; Qwen3-235B 1330.3/1324.2 -> 1148.9/1146.3, 1535.3/1617.5 ->
+  // 1261.0/1254.1, 1653.4/1655.4 -> 1550.4/1551.0 (docs/perf/2026-11-22-h100-w4a16-v21.md).
+  // From 256 per expert since the staged L1 epilogue (v22): Qwen3-30B T=4096 / 8192 / 16384
+  // 662.6/664.3 -> 641.6/639.7, 1270.9/1273.0 -> 1260.6/1267.7, 2619.6/2617.1 -> 2534.1/2520.7,
+  // T=6144 956 -> 956; Qwen3-235B T=4096 / 8192 2216.9/2293.4 -> 2040.1/2114.7, 4374.6/4406.4 ->
+  // 4208.7/4186.2, T=16384 8567/8439 -> 8599/8489. Below 256 where it saves fewer it still loses:
+  // Qwen3-30B T=1024 / 1536 / 3072 (64 / 96 / 192 per expert) 246/295/536 -> 289/309/570,
+  // Qwen3-235B T=1024 / 3072 786/1805 -> 908/1914 (docs/perf/2026-11-22-h100-w4a16-v22.md).
   if (!absorbing_tile && cfg.l1.block_n == prefill.block_n && cfg.l2.block_n == prefill.block_n &&
       can_absorb(problem)) {
     const double tiles = expected_tile_count(prefill.block_n, prefill.block_n);
     const double absorbed = expected_tile_count(kAbsorbingTile.block_n, kAbsorbingTile.tile_step());
     const bool long_k = problem.hidden_size >= 4096 && problem.intermediate_size >= 2048;
-    if (long_k ? absorbed <= 0.85 * tiles || per_expert >= 256 : absorbed <= 0.75 * tiles) {
+    if (absorbed <= (long_k ? 0.85 : 0.75) * tiles || per_expert >= 256) {
       cfg.l1 = kAbsorbingTile;
       cfg.l2 = kAbsorbingTile;
     }

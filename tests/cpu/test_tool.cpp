@@ -333,7 +333,9 @@ TEST_F(SynthCheckpoint, LayerLoadsWithRecipeBytesAndDistinctGlobalScales) {
   ASSERT_EQ(layer.e_score_correction_bias.size(), 16u);
   std::set<float> biases(layer.e_score_correction_bias.begin(),
                          layer.e_score_correction_bias.end());
-  EXPECT_EQ(biases.size(), 16u) << "every expert gets its own correction bias";
+  // Drawn per expert from a normal on a grid of ~10^4 likely values: two of 16 experts share one
+  // in ~1% of seeds (the earlier "all 16 distinct" failed ~3 seeds in 400).
+  EXPECT_GE(biases.size(), 12u) << "the experts get their own correction biases";
   const auto router = ckpt.get("model.layers.2.mlp.gate.weight");
   EXPECT_EQ(router.info->dtype, DType::BF16);
   EXPECT_EQ(ckpt.get("model.layers.2.mlp.gate.e_score_correction_bias").info->dtype, DType::F32);
