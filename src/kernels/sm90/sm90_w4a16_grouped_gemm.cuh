@@ -228,27 +228,66 @@ __device__ __forceinline__ int split_expert_work(const W4a16GemmParams& p, int l
 template <int kBlockN>
 inline constexpr int kTileStep = kBlockN == 160 ? 128 : kBlockN;
 
+// Decodes work item `work` (0 <= work < tile_offsets[num_experts] = total). The items are
+// expert-major, and under balanced routing every expert holds about total / E of them: the
+// expert is guessed from the item's share of the total and checked, with its two neighbours, in
+// one round of independent loads (the window's item and slot offsets); where the guess misses
+// (skewed routing) a binary search over the rest follows. A binary search alone was 7-8
+// dependent loads at the start of every item, and then the slot offsets' round trip: ncu had
+// them among the absorbing L1 kernel's largest stalls. `total` only picks where the search
+// starts (any value is correct; <= 0: a binary search over all experts).
 template <int kBlockN>
-__device__ __forceinline__ WorkItem decode_work(const W4a16GemmParams& p, int work) {
-  // Find the expert whose tile range holds `work` (binary search over the prefix).
-  int lo = 0, hi = p.num_experts;
-  while (hi - lo > 1) {
-    const int mid = (lo + hi) / 2;
-    if (p.tile_offsets[mid] <= work) lo = mid; else hi = mid;
+__device__ __forceinline__ WorkItem decode_work(const W4a16GemmParams& p, int work, int total) {
+  const int num_experts = p.num_experts;
+  int expert = -1, item0 = 0, slot0 = 0, slot1 = 0;
+  int lo = 0, hi = num_experts;
+  if (num_experts >= 3 && total > 0) {
+    const int guess = static_cast<int>(static_cast<int64_t>(work) * num_experts / total);
+    const int first = max(0, min(guess - 1, num_experts - 3));  // the window: experts first .. first + 2
+    int32_t t[4], s[4];
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      t[i] = p.tile_offsets[first + i];
+      s[i] = p.expert_offsets[first + i];
+    }
+    if (work >= t[0] && work < t[3]) {
+      // The window's last expert whose items start at or before `work` (empty experts are
+      // skipped: their range is empty).
+      const int i = (work >= t[1]) + (work >= t[2]);
+      expert = first + i;
+      item0 = i == 0 ? t[0] : i == 1 ? t[1] : t[2];
+      slot0 = i == 0 ? s[0] : i == 1 ? s[1] : s[2];
+      slot1 = i == 0 ? s[1] : i == 1 ? s[2] : s[3];
+    } else if (work < t[0]) {
+      hi = first;
+    } else {
+      lo = first + 3;
+    }
+  }
+  if (expert < 0) {
+    // tile_offsets[lo] <= work < tile_offsets[hi]
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) / 2;
+      if (p.tile_offsets[mid] <= work) lo = mid; else hi = mid;
+    }
+    expert = lo;
+    item0 = p.tile_offsets[lo];
+    slot0 = p.expert_offsets[lo];
+    slot1 = p.expert_offsets[lo + 1];
   }
   WorkItem w;
-  w.expert = lo;
-  const int count = p.expert_offsets[lo + 1] - p.expert_offsets[lo];
+  w.expert = expert;
+  const int count = slot1 - slot0;
   if constexpr (kTileStep<kBlockN> == kBlockN) {
     const int n_tiles = (count + kBlockN - 1) / kBlockN;
-    const int n_tile = split_expert_work(p, work - p.tile_offsets[lo], n_tiles, w);
-    w.slot_begin = p.expert_offsets[lo] + n_tile * kBlockN;
-    w.slot_end = p.expert_offsets[lo + 1];  // past kBlockN rows: the tile's width is kBlockN
+    const int n_tile = split_expert_work(p, work - item0, n_tiles, w);
+    w.slot_begin = slot0 + n_tile * kBlockN;
+    w.slot_end = slot1;  // past kBlockN rows: the tile's width is kBlockN
   } else {
     const int n_tiles = expert_token_tiles(count, kBlockN, kTileStep<kBlockN>);
-    const int n_tile = split_expert_work(p, work - p.tile_offsets[lo], n_tiles, w);
-    w.slot_begin = p.expert_offsets[lo] + n_tile * kTileStep<kBlockN>;
-    w.slot_end = n_tile == n_tiles - 1 ? p.expert_offsets[lo + 1] : w.slot_begin + kTileStep<kBlockN>;
+    const int n_tile = split_expert_work(p, work - item0, n_tiles, w);
+    w.slot_begin = slot0 + n_tile * kTileStep<kBlockN>;
+    w.slot_end = n_tile == n_tiles - 1 ? slot1 : w.slot_begin + kTileStep<kBlockN>;
   }
   w.slot_token = p.slot_token;
   return w;
@@ -1258,7 +1297,7 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     __syncthreads();  // the barriers' initialisation, the first claim
     int work = blockIdx.x;
     for (int i = 0; work < total_work; ++i) {
-      const detail::WorkItem w = detail::decode_work<kBlockN>(p, work);
+      const detail::WorkItem w = detail::decode_work<kBlockN>(p, work, total_work);
       if (tid == 0 && i > 0) next_work_ring[i % 2] = detail::claim_work(p.work_counter);
       detail::gemm_item_overlapped<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem, bars, [] {});
       work = next_work_ring[i % 2];
@@ -1271,7 +1310,7 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
   for (int work = blockIdx.x; work < total_work;) {
     int next_work = 0;
     const detail::WorkItem w =
-        early_start && work == static_cast<int>(blockIdx.x) ? early.first : detail::decode_work<kBlockN>(p, work);
+        early_start && work == static_cast<int>(blockIdx.x) ? early.first : detail::decode_work<kBlockN>(p, work, total_work);
     auto claim = [&] {
       grid_dependency_wait();  // early start: the dispatch's counter and schedule from here on
       if (tid == 0) next_work = detail::claim_work(p.work_counter);
@@ -1356,12 +1395,12 @@ w4a16_fused_moe_kernel(const W4a16FusedParams p) {
     if (is_l1) {
       const detail::WorkItem w = early_start && work == static_cast<int>(blockIdx.x)
                                      ? early.first
-                                     : detail::decode_work<kBlockN>(p.l1, work);
+                                     : detail::decode_work<kBlockN>(p.l1, work, l1_work);
       expert = w.expert;
       detail::gemm_item<true, kWarpgroups, kBlockN, kStages>(p.l1, w, smem, claim);
     } else {
       grid_dependency_wait();  // early start: a CTA's first item may be an L2 item
-      const detail::WorkItem w = detail::decode_work<kBlockN>(p.l2, work - l1_work);
+      const detail::WorkItem w = detail::decode_work<kBlockN>(p.l2, work - l1_work, work_bounds[1] - l1_work);
       expert = w.expert;
       if (tid == 0) {
         // The item's weights do not depend on L1: start the DRAM reads of its first chunks (as
