@@ -1039,12 +1039,16 @@ __device__ __forceinline__ void wait_stages_released(const StageBarriers& bars) 
 //   load(offset):   copies chunk (round base + offset) into stage offset % kStages;
 //   next_weights(): advances the weight sources by one chunk (after each chunk's copies);
 //   next_round():   advances the B sources by kStages chunks.
-template <class Smem, class Op, int kStages, StageSync kSync, int kAcc, class Load, class NextWeights, class NextRound>
+//   after_first_copies(): every thread, once it has issued its copies of the first chunks and
+//                   before it waits for any (the absorbing tile's thread 0 claims its next item).
+template <class Smem, class Op, int kStages, StageSync kSync, int kAcc, class Load, class NextWeights, class NextRound,
+          class AfterFirstCopies>
 __device__ __forceinline__ void overlapped_k_loop(int n, float (&acc)[kAcc],
                                                   uint32_t (&a)[2][4],
                                                   const uint8_t* code_lds, const uint8_t* scale_lds,
                                                   uint64_t b_desc0, StageBarriers& bars, Load&& load,
-                                                  NextWeights&& next_weights, NextRound&& next_round) {
+                                                  NextWeights&& next_weights, NextRound&& next_round,
+                                                  AfterFirstCopies&& after_first_copies) {
   using namespace w4a16;
   static_assert(kStages >= 4, "the overlapped K loop needs kStages >= 4: two stages are held by the wgmmas in flight");
   static_assert(kSync != StageSync::kMbarriers || kStages <= 16, "the phase bits hold up to 16 stages");
@@ -1066,6 +1070,7 @@ __device__ __forceinline__ void overlapped_k_loop(int n, float (&acc)[kAcc],
     }
     next_weights();
   });
+  after_first_copies();
   int base = 0;  // first chunk of the current round
   // Chunk base + kStage: stage kStage. always_inline: a lambda NVVM leaves
   // out of line is a call to ptxas, and it serialises wgmma pipelines across calls (C7510).
@@ -1154,6 +1159,10 @@ __device__ __forceinline__ void with_two_token_widths(int rows, F&& f) {
 template <int kWarpgroups>
 inline constexpr StageSync kOverlappedSync = kWarpgroups == 4 ? StageSync::kMbarriers : StageSync::kBarrier;
 
+struct NoHook {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 // gemm_item for the overlapped tiles: each warpgroup overlaps its decode with its wgmmas
 // (overlapped_k_loop) at two token widths (with_two_token_widths). Two tiles:
 // - the absorbing tile (four warpgroups, BLOCK_M = 256, one CTA per SM, where no other CTA's
@@ -1169,10 +1178,13 @@ inline constexpr StageSync kOverlappedSync = kWarpgroups == 4 ? StageSync::kMbar
 // bars: the stage barriers (kOverlappedSync == kMbarriers), set up once per CTA by
 // init_stage_barriers and carried from item to item. kEpilogue = false leaves the epilogue out
 // (megamoe_mainloop_probe: what the item boundary costs without it; the accumulators' sum is
-// stored only where it is exactly -1, so that the K loop stays).
-template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, bool kEpilogue = true, class AfterMainloop>
+// stored only where it is exactly -1, so that the K loop stays). after_first_copies: see
+// overlapped_k_loop.
+template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, bool kEpilogue = true, class AfterMainloop,
+          class AfterFirstCopies = NoHook>
 __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, const WorkItem& w, uint8_t* smem,
-                                                     StageBarriers& bars, AfterMainloop&& after_mainloop) {
+                                                     StageBarriers& bars, AfterMainloop&& after_mainloop,
+                                                     AfterFirstCopies after_first_copies = {}) {
   using namespace w4a16;
   using Smem = W4a16SmemLayout<kWarpgroups, kBlockN, kStages>;
   constexpr int kThreads = kWarpgroups * kThreadsPerWarpgroup;
@@ -1225,7 +1237,7 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
     #pragma unroll
     for (int i = 0; i < kAcc; ++i) acc[i] = 0.0f;
     overlapped_k_loop<Smem, typename detail::WgmmaRS<kWidth>::Op, kStages, kOverlappedSync<kWarpgroups>>(
-        n, acc, a, ws.code_lds, ws.scale_lds, b_desc0, bars, load, next_weights, next_round);
+        n, acc, a, ws.code_lds, ws.scale_lds, b_desc0, bars, load, next_weights, next_round, after_first_copies);
     // Every copy of this thread has landed (the stage barriers' loop commits no cp.async groups:
     // wait_all, not wait_group 0).
     detail::cp_async_wait_all();
@@ -1285,12 +1297,15 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     // the stage barriers, within an item and from one item to the next (gemm_item_overlapped
     // returns once every thread has released every stage); each warpgroup runs its epilogue
     // while the others finish their K loops, and starts the next item's copies as soon as every
-    // stage is free. Thread 0 claims the item after the current one when the current one starts
-    // and publishes it in next_work_ring[i % 2] (item i of this CTA): every thread reads it after
-    // item i's stage waits, which acquire thread 0's arrivals made after the write. Thread 0
-    // writes the slot again when item i + 2 starts, past the waits after item i + 1, i.e. after
-    // every thread has started item i + 1, having read the slot. (Claiming one item ahead: the
-    // prefill GEMMs this tile runs have tens of items per CTA.)
+    // stage is free. Thread 0 claims the item after the current one (item i of this CTA) once it
+    // has issued its first copies of item i (after_first_copies; claimed before them, warp 0's
+    // copies went out an atomic round trip after the other warps' and the item's first stage
+    // waited for them: Qwen3-30B 0.6-0.9% faster, docs/perf/2026-11-22-h100-w4a16-v22.md) and
+    // publishes it in next_work_ring[i % 2]: every thread reads it after item i's stage waits,
+    // which acquire thread 0's arrivals made after the write (its first arrival of item i
+    // follows its first chunk). Thread 0 writes the slot again in item i + 2, past the waits
+    // after item i + 1, i.e. after every thread has started item i + 1, having read the slot.
+    // (Claiming one item ahead: the prefill GEMMs this tile runs have tens of items per CTA.)
     __shared__ int next_work_ring[2];
     detail::StageBarriers bars = detail::init_stage_barriers<kWarpgroups * w4a16::kThreadsPerWarpgroup, kStages>();
     if (tid == 0) next_work_ring[0] = detail::claim_work(p.work_counter);
@@ -1298,8 +1313,9 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     int work = blockIdx.x;
     for (int i = 0; work < total_work; ++i) {
       const detail::WorkItem w = detail::decode_work<kBlockN>(p, work, total_work);
-      if (tid == 0 && i > 0) next_work_ring[i % 2] = detail::claim_work(p.work_counter);
-      detail::gemm_item_overlapped<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem, bars, [] {});
+      detail::gemm_item_overlapped<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem, bars, [] {}, [&] {
+        if (tid == 0 && i > 0) next_work_ring[i % 2] = detail::claim_work(p.work_counter);
+      });
       work = next_work_ring[i % 2];
     }
     grid_dependency_wait();
