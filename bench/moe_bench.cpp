@@ -145,6 +145,9 @@ std::vector<uint16_t> random_hidden(std::mt19937_64& rng, int64_t T, int64_t H) 
   return x;
 }
 
+// Issue 3's bound on the layer's relative L2 error against the CPU reference.
+constexpr double kMaxRelL2 = 2e-3;
+
 double rel_l2(const std::vector<uint16_t>& got, const std::vector<float>& ref, int64_t* nonfinite) {
   double num = 0, den = 0;
   *nonfinite = 0;
@@ -155,6 +158,43 @@ double rel_l2(const std::vector<uint16_t>& got, const std::vector<float>& ref, i
     den += double(ref[i]) * ref[i];
   }
   return std::sqrt(num / std::max(den, 1e-300));
+}
+
+// `count` token rows spread evenly over [0, T) (the first and the last among them): a timed point
+// is checked where its first and its last tiles write.
+std::vector<int64_t> spread_rows(int64_t T, int64_t count) {
+  count = std::min(count, T);
+  std::vector<int64_t> rows;
+  for (int64_t i = 0; i < count; ++i) rows.push_back(count == 1 ? 0 : i * (T - 1) / (count - 1));
+  return rows;
+}
+
+// The rows `rows` of a layer's GPU output `got` ([T, H] bf16) against the CPU reference run on
+// those tokens alone (tokens are independent), as a relative L2 error; *nonfinite counts the
+// non-finite values among them.
+double reference_rel_l2(const MoeLayer& layer, const std::vector<uint16_t>& x, const reference::TopK& topk,
+                        const std::vector<uint16_t>& got, const std::vector<int64_t>& rows, int64_t* nonfinite) {
+  const int64_t H = layer.hidden_size, k = topk.k, n = int64_t(rows.size());
+  std::vector<uint16_t> xs(size_t(n * H)), gs(size_t(n * H));
+  reference::TopK ts;
+  ts.tokens = n;
+  ts.k = topk.k;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t r = rows[size_t(j)];
+    std::copy_n(x.begin() + r * H, H, xs.begin() + j * H);
+    std::copy_n(got.begin() + r * H, H, gs.begin() + j * H);
+    ts.ids.insert(ts.ids.end(), topk.ids.begin() + r * k, topk.ids.begin() + (r + 1) * k);
+    ts.weights.insert(ts.weights.end(), topk.weights.begin() + r * k, topk.weights.begin() + (r + 1) * k);
+  }
+  // Both outputs are bf16: the error is what the GPU arithmetic adds beyond the final rounding.
+  const auto ref_bf16 = reference::moe_forward(layer, xs, n, ts);
+  std::vector<float> ref(ref_bf16.size());
+  for (size_t i = 0; i < ref.size(); ++i) ref[i] = bf16_to_f32(ref_bf16[i]);
+  return rel_l2(gs, ref, nonfinite);
+}
+
+int64_t count_nonfinite(const std::vector<uint16_t>& v) {
+  return std::count_if(v.begin(), v.end(), [](uint16_t b) { return !std::isfinite(bf16_to_f32(b)); });
 }
 
 double cosine(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
@@ -189,6 +229,8 @@ void dequant_to(const Nvfp4Linear& lin, uint16_t* dst) {
 
 int run_bench(const BenchOptions& opt) {
   MEGAMOE_CHECK(opt.replays >= 20, kInvalidArgument, "bench: --replays = ", opt.replays, " must be >= 20");
+  MEGAMOE_CHECK(opt.check_tokens >= 1 && opt.check_tokens <= 64, kInvalidArgument, "bench: --check-tokens = ",
+                opt.check_tokens, " must be in 1..64 (every timed point is checked against the CPU reference)");
   MEGAMOE_CHECK(!opt.tokens.empty(), kInvalidArgument, "bench: the token list is empty");
   for (int64_t t : opt.tokens) {
     MEGAMOE_CHECK(t >= 1 && t <= 65536, kInvalidArgument, "bench: token count ", t, " must be in 1..65536");
@@ -279,13 +321,9 @@ int run_bench(const BenchOptions& opt) {
     run_ours(dx.get(), dids.get(), dw.get(), T, dout.get());
     check_cuda(cudaStreamSynchronize(stream), "run");
     const auto got = dout.download();
-    // Both outputs are bf16: the error is what the GPU arithmetic adds beyond the final rounding.
-    const auto ref_bf16 = reference::moe_forward(layer, x, T, topk);
-    std::vector<float> ref(ref_bf16.size());
-    for (size_t i = 0; i < ref.size(); ++i) ref[i] = bf16_to_f32(ref_bf16[i]);
     int64_t bad = 0;
-    const double err = rel_l2(got, ref, &bad);
-    const bool ok = err <= 2e-3 && bad == 0;
+    const double err = reference_rel_l2(layer, x, topk, got, spread_rows(T, T), &bad);
+    const bool ok = err <= kMaxRelL2 && bad == 0;
     status |= ok ? 0 : 1;
     std::printf("accuracy vs CPU reference (T=%lld): rel L2 %.3g, non-finite %lld: %s\n", (long long)T, err,
                 (long long)bad, ok ? "PASS" : "FAIL");
@@ -356,8 +394,8 @@ int run_bench(const BenchOptions& opt) {
               "%s L2 flush\n",
               prop.name, prop.multiProcessorCount, copy_tbps, mma_tflops, (long long)H, (long long)I, (long long)E, k,
               shared_I ? " +shared" : "", opt.deterministic ? "deterministic" : "atomic combine", to_string(flush.mode()));
-  std::printf("%7s %7s %10s %10s %8s %9s %9s %12s %8s\n", "T", "active", "floor_us", "us", "%floor", "TFLOP/s",
-              "GB/s", "bf16_us", "speedup");
+  std::printf("%7s %7s %10s %10s %8s %9s %9s %12s %8s %9s\n", "T", "active", "floor_us", "us", "%floor", "TFLOP/s",
+              "GB/s", "bf16_us", "speedup", "rel_err");
   report["device"] = prop.name;
   report["copy_tbps"] = copy_tbps;
   report["bf16_tflops"] = mma_tflops;
@@ -390,14 +428,31 @@ int run_bench(const BenchOptions& opt) {
       const Graph g(stream, [&] { base->run(dx.get(), bout.get(), stream); });
       base_us = event_median_us([&] { g.launch(stream); }, opt.replays, 2, stream, &flush);
     }
+    // The timed graph's own output: poisoned, replayed once, then every value finite and
+    // check_tokens rows spread over [0, T) against the CPU reference on the same inputs.
+    check_cuda(cudaMemsetAsync(dout.get(), 0xFF, dout.size() * 2, stream), "poison");
+    ours.launch(stream);
+    check_cuda(cudaStreamSynchronize(stream), "checked replay");
+    const auto got = dout.download();
+    int64_t rows_bad = 0;
+    const int64_t nonfinite = count_nonfinite(got);
+    const double check_err = reference_rel_l2(layer, x, topk, got, spread_rows(T, opt.check_tokens), &rows_bad);
+    const bool check_ok = nonfinite == 0 && check_err <= kMaxRelL2;
+    status |= check_ok ? 0 : 1;
     const double pct = 100.0 * floor_us / us;
-    std::printf("%7lld %7lld %10.1f %10.1f %7.1f%% %9.1f %9.0f %12.1f %7.2fx\n", (long long)T, (long long)active,
+    std::printf("%7lld %7lld %10.1f %10.1f %7.1f%% %9.1f %9.0f %12.1f %7.2fx %9.2e%s\n", (long long)T, (long long)active,
                 floor_us, us, pct, flops / us * 1e-6, weights_bytes / us * 1e-3, base_us,
-                base_us > 0 ? base_us / us : 0.0);
+                base_us > 0 ? base_us / us : 0.0, check_err, check_ok ? "" : " FAIL");
+    if (!check_ok) {
+      std::printf("        T=%lld: %lld non-finite outputs, rel L2 %.3g on %lld checked tokens (allowed %.0e)\n",
+                  (long long)T, (long long)nonfinite, check_err, (long long)std::min<int64_t>(T, opt.check_tokens),
+                  kMaxRelL2);
+    }
     std::fflush(stdout);
     report["points"].push_back({{"tokens", T}, {"active_experts", active}, {"floor_us", floor_us}, {"us", us},
                                 {"pct_floor", pct}, {"tflops", flops / us * 1e-6}, {"weight_gbps", weights_bytes / us * 1e-3},
-                                {"bf16_us", base_us}, {"config", plan.describe(T)}});
+                                {"bf16_us", base_us}, {"config", plan.describe(T)}, {"check_rel_l2", check_err},
+                                {"check_non_finite", nonfinite}, {"check_pass", check_ok}});
   }
   if (!opt.json.empty()) {
     std::ofstream f(opt.json);

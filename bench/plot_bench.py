@@ -31,6 +31,10 @@ def main():
         if any(p["bf16_us"] > 0 for p in pts):
             ax_t.plot(t, [p["bf16_us"] for p in pts], "s:", label="bf16 cuBLAS baseline")
         ax_p.plot(t, [p["pct_floor"] for p in pts], "o-", label=label)
+        # Points whose timed output failed its check against the CPU reference (bench rel_err).
+        failed = [(p["tokens"], p["us"]) for p in pts if p.get("check_pass") is False]
+        if failed:
+            ax_t.plot(*zip(*failed), "rx", markersize=12, label="output check failed")
     ax_t.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="µs (median, L2 flushed)",
              title="MoE layer time")
     ax_p.set(xscale="log", xlabel="tokens T", ylabel="% of floor", ylim=(0, 105),

@@ -459,6 +459,13 @@ TEST(ToolBench, RejectsOptionsThatDoNotApply) {
   EXPECT_NE(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("clean"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("dirty"), std::string::npos) << r.output;
+  // Every timed point is checked: at least one token, and a bounded CPU cost.
+  for (const char* n : {"0", "65"}) {
+    r = run_tool(std::string("bench --check-tokens ") + n);
+    EXPECT_NE(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("--check-tokens"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("1..64"), std::string::npos) << r.output;
+  }
 }
 
 // ---- the tool: synth, inspect, reference -------------------------------------------------------

@@ -34,7 +34,10 @@ Command add_bench_command(CLI::App& parent) {
       ->check(CLI::IsMember({"clean", "dirty"}))
       ->capture_default_str();
   app->add_option("--replays", opt->replays, "timed graph replays per point (>= 20)")->capture_default_str();
-  app->add_option("--check-tokens", opt->check_tokens, "tokens checked against the CPU reference")
+  app->add_option("--check-tokens", opt->check_tokens,
+                  "tokens checked against the CPU reference: the accuracy line's, and per timed point that many "
+                  "of its tokens (spread from the first to the last), whose output comes from a replay of the "
+                  "timed graph (1..64)")
       ->capture_default_str();
   app->add_flag("!--no-baseline", opt->baseline, "skip the bf16 cuBLAS baseline");
   app->add_flag("--deterministic", opt->deterministic, "fixed-order combine");
