@@ -22,7 +22,8 @@ def main():
     for path in args.results:
         with open(path) as f:
             r = json.load(f)
-        pts = r["points"]
+        # Points a MoeTuning override could not run are recorded with "skipped" and no timing.
+        pts = [p for p in r["points"] if "skipped" not in p]
         t = [p["tokens"] for p in pts]
         shared = " +shared" if r["layer"].get("shared_I", 0) > 0 else ""
         label = f'{r["layer"]["preset"]}{shared} on {r["device"]}'

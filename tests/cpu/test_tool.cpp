@@ -595,6 +595,46 @@ TEST_F(ToolSynth, RunOnGpuMatchesReference) {
       << "--deterministic runs differ";
 }
 
+// `megamoe bench` with an override that runs at some of its T only (the fused launch: up to 24
+// tokens per expert): the others are reported as skipped with the reason, the rest are timed and
+// checked, and the run succeeds. Needs a Hopper GPU; skipped (visibly) elsewhere.
+TEST_F(ToolSynth, BenchSkipsPointsAnOverrideCannotRun) {
+  if (megamoe::gpu::device_count() == 0) {
+    GTEST_SKIP() << "no CUDA device: `megamoe bench` test skipped (run it on the GPU machine)";
+  }
+  ASSERT_NO_FATAL_FAILURE(synth());
+  SCOPED_TRACE(testing::Message() << "seed " << seed_);
+  const fs::path out = dir_ / "bench.json";
+  // 4 experts: T=1 puts at most 1 token on an expert, T=64 at least 64 * top_k / 4.
+  const ToolResult r = run_tool("bench --checkpoint " + q(ckpt_) + " --no-baseline --replays 20 --check-tokens 2 "
+                                "--fused on --tokens 1,64 --json " + q(out));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("accuracy vs CPU reference (T=2)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("     64 skipped: MoeTuning.fused"), std::string::npos) << r.output;
+  std::ifstream f(out);
+  const json report = json::parse(f);
+  ASSERT_EQ(report["points"].size(), 2u);
+  const json& timed = report["points"][0];
+  EXPECT_EQ(timed["tokens"], 1);
+  EXPECT_GT(timed["us"].get<double>(), 0.0);
+  EXPECT_EQ(timed["check_pass"], true);
+  EXPECT_NE(timed["config"].get<std::string>().find("fused"), std::string::npos) << timed.dump();
+  const json& skipped = report["points"][1];
+  EXPECT_EQ(skipped["tokens"], 64);
+  EXPECT_NE(skipped["skipped"].get<std::string>().find("MoeTuning.fused"), std::string::npos) << skipped.dump();
+  EXPECT_FALSE(skipped.contains("us"));
+
+  // Early start holds up to 32 routed selections: the accuracy line at T=40 runs the heuristic's
+  // configuration (and says so), the point at T=40 is skipped, the point at T=1 is timed.
+  const ToolResult e = run_tool("bench --checkpoint " + q(ckpt_) + " --no-baseline --replays 20 --check-tokens 40 "
+                                "--early-start on --tokens 1,40");
+  ASSERT_EQ(e.code, 0) << e.output;
+  EXPECT_NE(e.output.find("the check at T=40 runs the heuristic's configuration"), std::string::npos) << e.output;
+  EXPECT_NE(e.output.find("accuracy vs CPU reference (T=40): rel L2"), std::string::npos) << e.output;
+  EXPECT_NE(e.output.find("     40 skipped: MoeTuning.early_start"), std::string::npos) << e.output;
+  EXPECT_EQ(e.output.find(" FAIL"), std::string::npos) << e.output;
+}
+
 TEST_F(ToolSynth, ReferenceWithGivenAndComputedRouting) {
   ASSERT_NO_FATAL_FAILURE(synth());
   std::mt19937_64 rng(seed_);
