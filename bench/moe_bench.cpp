@@ -43,12 +43,23 @@ double median(std::vector<double> v) {
 
 // Median time in µs of `fn` (which enqueues work on `stream`) over `reps` runs after `warmup`
 // untimed ones, with CUDA events. With `flush`, the L2 is emptied before each run (l2_flush.h),
-// as when other layers run in between.
+// as when other layers run in between. With warm_ms > 0, flush + fn run untimed for that long
+// first (BenchOptions::warm_ms).
 template <class Fn>
-double event_median_us(Fn&& fn, int reps, int warmup, cudaStream_t stream, const L2Flush* flush) {
+double event_median_us(Fn&& fn, int reps, int warmup, cudaStream_t stream, const L2Flush* flush, int warm_ms) {
   cudaEvent_t a, b;
   check_cuda(cudaEventCreate(&a), "cudaEventCreate");
   check_cuda(cudaEventCreate(&b), "cudaEventCreate");
+  if (warm_ms > 0) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int r = 0; std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(warm_ms); ++r) {
+      if (flush) flush->run(stream, r);
+      fn();
+      // A few runs in flight at most: the loop's clock then follows the GPU's.
+      if (r % 4 == 3) check_cuda(cudaStreamSynchronize(stream), "warm-up");
+    }
+    check_cuda(cudaStreamSynchronize(stream), "warm-up");
+  }
   std::vector<double> us;
   for (int r = 0; r < warmup + reps; ++r) {
     if (flush) flush->run(stream, r);
@@ -81,17 +92,17 @@ struct Graph {
   void launch(cudaStream_t s) const { check_cuda(cudaGraphLaunch(exec, s), "cudaGraphLaunch"); }
 };
 
-double measure_copy_tbps(cudaStream_t stream) {
+double measure_copy_tbps(cudaStream_t stream, int warm_ms) {
   const size_t bytes = size_t{2} << 30;
   DeviceBuffer<uint8_t> src(bytes), dst(bytes);
   check_cuda(cudaMemset(src.get(), 0x5A, bytes), "memset");
   const double us = event_median_us(
       [&] { check_cuda(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, stream), "D2D copy"); },
-      10, 2, stream, nullptr);
+      10, 2, stream, nullptr, warm_ms);
   return 2.0 * bytes / (us * 1e-6) / 1e12;  // read + write
 }
 
-double measure_bf16_tflops(cudaStream_t stream) {
+double measure_bf16_tflops(cudaStream_t stream, int warm_ms) {
   const int n = 8192;
   std::vector<uint16_t> h(size_t(n) * n);
   std::mt19937 rng(7);
@@ -111,7 +122,7 @@ double measure_bf16_tflops(cudaStream_t stream) {
                                    CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS,
                       kCuda, "cublasGemmEx failed");
       },
-      10, 2, stream, nullptr);
+      10, 2, stream, nullptr, warm_ms);
   cublasDestroy(handle);
   return 2.0 * double(n) * n * n / (us * 1e-6) / 1e12;
 }
@@ -229,6 +240,8 @@ void dequant_to(const Nvfp4Linear& lin, uint16_t* dst) {
 
 int run_bench(const BenchOptions& opt) {
   MEGAMOE_CHECK(opt.replays >= 20, kInvalidArgument, "bench: --replays = ", opt.replays, " must be >= 20");
+  MEGAMOE_CHECK(opt.warm_ms >= 0 && opt.warm_ms <= 60000, kInvalidArgument, "bench: --warm-ms = ", opt.warm_ms,
+                " must be in 0..60000");
   MEGAMOE_CHECK(opt.check_tokens >= 1 && opt.check_tokens <= 64, kInvalidArgument, "bench: --check-tokens = ",
                 opt.check_tokens, " must be in 1..64 (every timed point is checked against the CPU reference)");
   MEGAMOE_CHECK(!opt.tokens.empty(), kInvalidArgument, "bench: the token list is empty");
@@ -248,8 +261,8 @@ int run_bench(const BenchOptions& opt) {
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count(); };
 
   // ---- ceilings of this device, measured now
-  const double copy_tbps = measure_copy_tbps(stream);
-  const double mma_tflops = measure_bf16_tflops(stream);
+  const double copy_tbps = measure_copy_tbps(stream, opt.warm_ms);
+  const double mma_tflops = measure_bf16_tflops(stream, opt.warm_ms);
   std::fprintf(stderr, "bench: %s, %d SMs: copy %.2f TB/s, bf16 GEMM %.0f TFLOP/s [%.0fs]\n", prop.name,
                prop.multiProcessorCount, copy_tbps, mma_tflops, elapsed());
 
@@ -412,15 +425,18 @@ int run_bench(const BenchOptions& opt) {
   // ---- timing
   const L2Flush flush(flush_mode, size_t(prop.l2CacheSize));
   std::printf("\n%s, %d SMs; copy %.2f TB/s, bf16 %.0f TFLOP/s (measured now). Layer H=%lld I=%lld E=%lld top-%d%s, %s; "
-              "%s L2 flush\n",
+              "%s L2 flush; %s\n",
               prop.name, prop.multiProcessorCount, copy_tbps, mma_tflops, (long long)H, (long long)I, (long long)E, k,
-              shared_I ? " +shared" : "", opt.deterministic ? "deterministic" : "atomic combine", to_string(flush.mode()));
+              shared_I ? " +shared" : "", opt.deterministic ? "deterministic" : "atomic combine", to_string(flush.mode()),
+              opt.warm_ms > 0 ? ("each timing after " + std::to_string(opt.warm_ms) + " ms of untimed load").c_str()
+                              : "timed without warm-up load");
   std::printf("%7s %7s %10s %10s %8s %9s %9s %12s %8s %9s\n", "T", "active", "floor_us", "us", "%floor", "TFLOP/s",
               "GB/s", "bf16_us", "speedup", "rel_err");
   report["device"] = prop.name;
   report["copy_tbps"] = copy_tbps;
   report["bf16_tflops"] = mma_tflops;
   report["l2_flush"] = to_string(flush.mode());
+  report["warm_ms"] = opt.warm_ms;
   report["layer"] = {{"H", H}, {"I", I}, {"E", E}, {"top_k", k}, {"shared_I", shared_I}, {"preset", opt.checkpoint.empty() ? opt.preset : ckpt_dir}};
   report["points"] = nlohmann::json::array();
   for (int64_t T : opt.tokens) {
@@ -445,7 +461,7 @@ int run_bench(const BenchOptions& opt) {
     run_ours(plan, dx.get(), dids.get(), dw.get(), T, dout.get());  // warm-up outside capture
     check_cuda(cudaStreamSynchronize(stream), "warm-up");
     const Graph ours(stream, [&] { run_ours(plan, dx.get(), dids.get(), dw.get(), T, dout.get()); });
-    const double us = event_median_us([&] { ours.launch(stream); }, opt.replays, 2, stream, &flush);
+    const double us = event_median_us([&] { ours.launch(stream); }, opt.replays, 2, stream, &flush, opt.warm_ms);
     double base_us = 0;
     if (base) {
       base->set_routing(topk);
@@ -453,7 +469,7 @@ int run_bench(const BenchOptions& opt) {
       base->run(dx.get(), bout.get(), stream);
       check_cuda(cudaStreamSynchronize(stream), "baseline warm-up");
       const Graph g(stream, [&] { base->run(dx.get(), bout.get(), stream); });
-      base_us = event_median_us([&] { g.launch(stream); }, opt.replays, 2, stream, &flush);
+      base_us = event_median_us([&] { g.launch(stream); }, opt.replays, 2, stream, &flush, opt.warm_ms);
     }
     // The timed graph's own output: poisoned, replayed once, then every value finite and
     // check_tokens rows spread over [0, T) against the CPU reference on the same inputs.

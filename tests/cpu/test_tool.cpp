@@ -466,6 +466,13 @@ TEST(ToolBench, RejectsOptionsThatDoNotApply) {
     EXPECT_NE(r.output.find("--check-tokens"), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("1..64"), std::string::npos) << r.output;
   }
+  // The warm-up load is bounded.
+  for (const char* ms : {"-1", "60001"}) {
+    r = run_tool(std::string("bench --warm-ms ") + ms);
+    EXPECT_NE(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("--warm-ms"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("0..60000"), std::string::npos) << r.output;
+  }
 }
 
 // ---- the tool: synth, inspect, reference -------------------------------------------------------

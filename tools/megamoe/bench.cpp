@@ -34,6 +34,11 @@ Command add_bench_command(CLI::App& parent) {
       ->check(CLI::IsMember({"clean", "dirty"}))
       ->capture_default_str();
   app->add_option("--replays", opt->replays, "timed graph replays per point (>= 20)")->capture_default_str();
+  app->add_option("--warm-ms", opt->warm_ms,
+                  "before each timing, run the timed work this many ms untimed, so that the GPU's power "
+                  "management settles (the SM clock drops under sustained load): times of a GPU kept busy; 0: "
+                  "time right away (0..60000)")
+      ->capture_default_str();
   app->add_option("--check-tokens", opt->check_tokens,
                   "tokens checked against the CPU reference: the accuracy line's, and per timed point that many "
                   "of its tokens (spread from the first to the last), whose output comes from a replay of the "
