@@ -42,6 +42,9 @@ struct GpuMoe {
     DeviceBuffer<int32_t> d_ids(topk.ids);
     DeviceBuffer<float> d_w(topk.weights);
     d_out.poison();
+    // The workspace too (fp32 NaN, int32 -1): run() must initialise whatever it reads, the combine
+    // accumulator included, whatever an earlier run left there.
+    workspace.poison();
     MoeRunArgs args{d_hidden.get(), d_ids.get(), d_w.get(), T, d_out.get(), workspace.get()};
     megamoe::run(plan, weights, args, stream);
     gpu::check_cuda(cudaStreamSynchronize(stream), "run");
@@ -385,12 +388,12 @@ TEST(GpuMoe, GraphReplayEqualsEager) {
 // valid selections still match the reference with the invalid ones dropped.
 void check_invalid_ids_skipped(int64_t E, int k, int64_t T, const std::vector<size_t>& bad,
                                const std::vector<int32_t>& bad_ids, bool deterministic = true,
-                               const MoeTuning& tuning = {}) {
+                               const MoeTuning& tuning = {}, int64_t H = 128, int64_t I = 64) {
   std::mt19937 rng(fresh_seed());
-  const MoeLayer layer = testing::random_layer(rng, 128, 64, E, k);
+  const MoeLayer layer = testing::random_layer(rng, H, I, E, k);
   auto topk = testing::random_topk(rng, T, E, k);
   for (size_t j = 0; j < bad.size(); ++j) topk.ids[bad[j]] = bad_ids[j];
-  const auto hidden = testing::random_hidden(rng, T, 128);
+  const auto hidden = testing::random_hidden(rng, T, H);
   GpuMoe gpu(layer, T, deterministic, tuning);
   const auto got = gpu.run(hidden, topk);
   EXPECT_EQ(gpu.plan.invalid_id_count(gpu.workspace.get(), nullptr), static_cast<int64_t>(bad.size()));
@@ -426,6 +429,22 @@ TEST(GpuMoe, AllExpertIdsInvalidGivesZeros) {
   for (bool deterministic : {false, true}) {
     for (const MoeTuning& t : {fused, unfused}) check_invalid_ids_skipped(/*E=*/4, /*k=*/2, /*T=*/3, all, ids, deterministic, t);
   }
+}
+
+// The absorbing tile's L1 zeroes the combine accumulator one slice per work item; with no item
+// (every id invalid) its grid zeroes it whole (H and I multiples of its 256-row blocks; the
+// workspace is poisoned, so an accumulator left unzeroed reads NaN).
+TEST(GpuMoe, AllExpertIdsInvalidGivesZerosOnTheAbsorbingTile) {
+  MEGAMOE_REQUIRE_GPU();
+  MoeTuning absorbing;
+  absorbing.absorbing_tile = true;
+  const std::vector<size_t> all = {0, 1, 2, 3, 4, 5};
+  const std::vector<int32_t> ids = {4, -1, 9, 1 << 30, -5, 4};
+  check_invalid_ids_skipped(/*E=*/4, /*k=*/2, /*T=*/3, all, ids, /*deterministic=*/false, absorbing, /*H=*/256,
+                            /*I=*/128);
+  // And with items: one invalid id among 40 selections.
+  check_invalid_ids_skipped(/*E=*/4, /*k=*/2, /*T=*/20, {7}, {-3}, /*deterministic=*/false, absorbing, /*H=*/256,
+                            /*I=*/128);
 }
 
 // The same through the multi-CTA dispatch: invalid ids in the first, a middle and the last
