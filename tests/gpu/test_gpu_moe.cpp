@@ -383,9 +383,9 @@ TEST(GpuMoe, GraphReplayEqualsEager) {
   cudaStreamDestroy(stream);
 }
 
-// Runs a random layer (H = 128, I = 64, E experts, top-k) over T tokens with the selections at
-// `bad` (flat [T, k] indices) given the out-of-range ids `bad_ids`: the run counts them, and the
-// valid selections still match the reference with the invalid ones dropped.
+// Runs a random layer (H = 128, I = 64 unless given; E experts, top-k) over T tokens with the
+// selections at `bad` (flat [T, k] indices) given the out-of-range ids `bad_ids`: the run counts
+// them, and the valid selections still match the reference with the invalid ones dropped.
 void check_invalid_ids_skipped(int64_t E, int k, int64_t T, const std::vector<size_t>& bad,
                                const std::vector<int32_t>& bad_ids, bool deterministic = true,
                                const MoeTuning& tuning = {}, int64_t H = 128, int64_t I = 64) {
@@ -432,7 +432,7 @@ TEST(GpuMoe, AllExpertIdsInvalidGivesZeros) {
 }
 
 // The absorbing tile's L1 zeroes the combine accumulator one slice per work item; with no item
-// (every id invalid) its grid zeroes it whole (H and I multiples of its 256-row blocks; the
+// (every id invalid) its grid zeroes it whole (2I and H multiples of its 256-row blocks; the
 // workspace is poisoned, so an accumulator left unzeroed reads NaN).
 TEST(GpuMoe, AllExpertIdsInvalidGivesZerosOnTheAbsorbingTile) {
   MEGAMOE_REQUIRE_GPU();

@@ -35,7 +35,7 @@ Command add_bench_command(CLI::App& parent) {
       ->capture_default_str();
   app->add_option("--replays", opt->replays, "timed graph replays per point (>= 20)")->capture_default_str();
   app->add_option("--warm-ms", opt->warm_ms,
-                  "before each timing, run the timed work this many ms untimed, so that the GPU's power "
+                  "before each timing, run the timed work (and its L2 flushes) this many ms untimed, so that the GPU's power "
                   "management settles (the SM clock drops under sustained load): times of a GPU kept busy; 0: "
                   "time right away (0..60000)")
       ->capture_default_str();
