@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/l2_flush.h"
+#include "bench/sm_clock.h"
 #include "bench/sm90_bf16_baseline.h"
 #include "megamoe/checkpoint.h"
 #include "megamoe/dtype.h"
@@ -41,25 +42,30 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// Runs flush + `fn` untimed for `ms` milliseconds (BenchOptions::warm_ms; nothing for 0).
+template <class Fn>
+void run_untimed_for(Fn&& fn, cudaStream_t stream, const L2Flush* flush, int ms) {
+  if (ms <= 0) return;
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int r = 0; std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(ms); ++r) {
+    if (flush) flush->run(stream, r);
+    fn();
+    // A few runs in flight at most: the loop's clock then follows the GPU's.
+    if (r % 4 == 3) check_cuda(cudaStreamSynchronize(stream), "warm-up");
+  }
+  check_cuda(cudaStreamSynchronize(stream), "warm-up");
+}
+
 // Median time in µs of `fn` (which enqueues work on `stream`) over `reps` runs after `warmup`
 // untimed ones, with CUDA events. With `flush`, the L2 is emptied before each run (l2_flush.h),
 // as when other layers run in between. With warm_ms > 0, flush + fn run untimed for that long
 // first (BenchOptions::warm_ms).
 template <class Fn>
 double event_median_us(Fn&& fn, int reps, int warmup, cudaStream_t stream, const L2Flush* flush, int warm_ms) {
+  run_untimed_for(fn, stream, flush, warm_ms);
   cudaEvent_t a, b;
   check_cuda(cudaEventCreate(&a), "cudaEventCreate");
   check_cuda(cudaEventCreate(&b), "cudaEventCreate");
-  if (warm_ms > 0) {
-    const auto t0 = std::chrono::steady_clock::now();
-    for (int r = 0; std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(warm_ms); ++r) {
-      if (flush) flush->run(stream, r);
-      fn();
-      // A few runs in flight at most: the loop's clock then follows the GPU's.
-      if (r % 4 == 3) check_cuda(cudaStreamSynchronize(stream), "warm-up");
-    }
-    check_cuda(cudaStreamSynchronize(stream), "warm-up");
-  }
   std::vector<double> us;
   for (int r = 0; r < warmup + reps; ++r) {
     if (flush) flush->run(stream, r);
@@ -257,6 +263,10 @@ int run_bench(const BenchOptions& opt) {
   check_cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  // The SM clock during each point's timed replays (sm_clock.h), where NVML is available.
+  std::string no_clock;
+  const std::unique_ptr<SmClockSampler> sm_clock = SmClockSampler::open(0, &no_clock);
+  if (!sm_clock) std::fprintf(stderr, "bench: no SM clock readings (%s)\n", no_clock.c_str());
   const auto t_start = std::chrono::steady_clock::now();
   auto elapsed = [&] { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count(); };
 
@@ -430,8 +440,8 @@ int run_bench(const BenchOptions& opt) {
               shared_I ? " +shared" : "", opt.deterministic ? "deterministic" : "atomic combine", to_string(flush.mode()),
               opt.warm_ms > 0 ? ("each timing after " + std::to_string(opt.warm_ms) + " ms of untimed load").c_str()
                               : "timed without warm-up load");
-  std::printf("%7s %7s %10s %10s %8s %9s %9s %12s %8s %9s\n", "T", "active", "floor_us", "us", "%floor", "TFLOP/s",
-              "GB/s", "bf16_us", "speedup", "rel_err");
+  std::printf("%7s %7s %10s %10s %8s %9s %9s %12s %8s %9s %7s\n", "T", "active", "floor_us", "us", "%floor", "TFLOP/s",
+              "GB/s", "bf16_us", "speedup", "rel_err", "sm_MHz");
   report["device"] = prop.name;
   report["copy_tbps"] = copy_tbps;
   report["bf16_tflops"] = mma_tflops;
@@ -461,7 +471,10 @@ int run_bench(const BenchOptions& opt) {
     run_ours(plan, dx.get(), dids.get(), dw.get(), T, dout.get());  // warm-up outside capture
     check_cuda(cudaStreamSynchronize(stream), "warm-up");
     const Graph ours(stream, [&] { run_ours(plan, dx.get(), dids.get(), dw.get(), T, dout.get()); });
-    const double us = event_median_us([&] { ours.launch(stream); }, opt.replays, 2, stream, &flush, opt.warm_ms);
+    run_untimed_for([&] { ours.launch(stream); }, stream, &flush, opt.warm_ms);
+    if (sm_clock) sm_clock->start();
+    const double us = event_median_us([&] { ours.launch(stream); }, opt.replays, 2, stream, &flush, 0);
+    const SmClockStats clock = sm_clock ? sm_clock->stop() : SmClockStats{};
     double base_us = 0;
     if (base) {
       base->set_routing(topk);
@@ -485,9 +498,11 @@ int run_bench(const BenchOptions& opt) {
     const bool check_ok = nonfinite == 0 && check_err <= kMaxRelL2;
     status |= check_ok ? 0 : 1;
     const double pct = 100.0 * floor_us / us;
-    std::printf("%7lld %7lld %10.1f %10.1f %7.1f%% %9.1f %9.0f %12.1f %7.2fx %9.2e%s\n", (long long)T, (long long)active,
-                floor_us, us, pct, flops / us * 1e-6, weights_bytes / us * 1e-3, base_us,
-                base_us > 0 ? base_us / us : 0.0, check_err, check_ok ? "" : " FAIL");
+    // sm_MHz: the mean SM clock over our timed replays ("-": no reading).
+    const std::string mhz = clock.samples > 0 ? std::to_string(static_cast<int>(clock.mean_mhz + 0.5)) : "-";
+    std::printf("%7lld %7lld %10.1f %10.1f %7.1f%% %9.1f %9.0f %12.1f %7.2fx %9.2e %7s%s\n", (long long)T,
+                (long long)active, floor_us, us, pct, flops / us * 1e-6, weights_bytes / us * 1e-3, base_us,
+                base_us > 0 ? base_us / us : 0.0, check_err, mhz.c_str(), check_ok ? "" : " FAIL");
     if (!check_ok) {
       std::printf("        T=%lld: %lld non-finite outputs, rel L2 %.3g on %lld checked tokens (allowed %.0e)\n",
                   (long long)T, (long long)nonfinite, check_err, (long long)rows.size(), kMaxRelL2);
@@ -497,6 +512,10 @@ int run_bench(const BenchOptions& opt) {
                                 {"pct_floor", pct}, {"tflops", flops / us * 1e-6}, {"weight_gbps", weights_bytes / us * 1e-3},
                                 {"bf16_us", base_us}, {"config", plan.describe(T)}, {"check_rel_l2", check_err},
                                 {"check_non_finite", nonfinite}, {"check_pass", check_ok}});
+    if (clock.samples > 0) {
+      report["points"].back()["sm_clock"] = {{"mean_mhz", clock.mean_mhz}, {"min_mhz", clock.min_mhz},
+                                             {"power_capped_share", clock.power_capped}, {"samples", clock.samples}};
+    }
   }
   if (!opt.json.empty()) {
     std::ofstream f(opt.json);

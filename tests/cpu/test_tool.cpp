@@ -627,6 +627,12 @@ TEST_F(ToolSynth, BenchSkipsPointsAnOverrideCannotRun) {
   EXPECT_GT(timed["us"].get<double>(), 0.0);
   EXPECT_EQ(timed["check_pass"], true);
   EXPECT_NE(timed["config"].get<std::string>().find("fused"), std::string::npos) << timed.dump();
+  // The SM clock over the timed replays (NVML, which the GPU machine's driver installs).
+  ASSERT_TRUE(timed.contains("sm_clock")) << timed.dump();
+  EXPECT_GT(timed["sm_clock"]["samples"].get<int>(), 0);
+  EXPECT_GT(timed["sm_clock"]["mean_mhz"].get<double>(), 100.0);
+  EXPECT_LT(timed["sm_clock"]["mean_mhz"].get<double>(), 4000.0);
+  EXPECT_LE(timed["sm_clock"]["min_mhz"].get<double>(), timed["sm_clock"]["mean_mhz"].get<double>());
   const json& skipped = report["points"][1];
   EXPECT_EQ(skipped["tokens"], 64);
   EXPECT_NE(skipped["skipped"].get<std::string>().find("MoeTuning.fused"), std::string::npos) << skipped.dump();
