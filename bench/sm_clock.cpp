@@ -81,7 +81,7 @@ void SmClockSampler::start() {
   thread_ = std::thread([this] {
     double sum = 0;
     unsigned lowest = ~0u;
-    int n = 0, capped = 0;
+    int n = 0, reasons_read = 0, capped = 0;
     while (running_.load(std::memory_order_relaxed)) {
       unsigned mhz = 0;
       unsigned long long why = 0;
@@ -89,11 +89,15 @@ void SmClockSampler::start() {
         sum += mhz;
         lowest = mhz < lowest ? mhz : lowest;
         ++n;
-        if (nvml_->reasons(nvml_->device, &why) == 0 && (why & Nvml::kSwPowerCap)) ++capped;
+        if (nvml_->reasons(nvml_->device, &why) == 0) {
+          ++reasons_read;
+          if (why & Nvml::kSwPowerCap) ++capped;
+        }
       }
       std::this_thread::sleep_for(std::chrono::microseconds(500));
     }
-    if (n > 0) stats_ = {sum / n, lowest, static_cast<double>(capped) / n, n};
+    // The capped share counts only the samples whose reasons were read.
+    if (n > 0) stats_ = {sum / n, lowest, reasons_read > 0 ? static_cast<double>(capped) / reasons_read : 0.0, n};
   });
 }
 
