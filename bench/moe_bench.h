@@ -19,9 +19,10 @@ struct BenchOptions {
   std::string flush = "clean";
   int replays = 30;         // timed CUDA-graph replays per point (median reported), >= 20
   // Before each timing (copy bandwidth, MMA rate, every point), run the timed work (with the L2
-  // flush before each run, as timed) for this long, untimed: under sustained load the H100's power management lowers the SM clock (SW power cap,
-  // within ~0.1-0.3 s), so the times are those of a GPU kept busy, as in serving. 0: time right
-  // away (the protocol of every result before docs/perf v26).
+  // flush before each run, as timed) for this long, untimed: under sustained load the H100's
+  // power management lowers the SM clock (SW power cap, within ~0.1-0.3 s), so the times are
+  // those of a GPU kept busy, as in serving. 0: time right away (the protocol of every result
+  // before docs/perf v26).
   int warm_ms = 0;
   int check_tokens = 4;     // tokens checked against the CPU reference
   bool baseline = true;     // time the bf16 cuBLAS baseline too

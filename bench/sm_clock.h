@@ -11,8 +11,8 @@
 #pragma once
 
 #include <atomic>
-#include <string>
 #include <memory>
+#include <string>
 #include <thread>
 
 namespace megamoe::bench {

@@ -1299,8 +1299,9 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
   // rounds; ncu: L1 11.69 -> 11.63 ms). The other tiles zero up front: zero_item_slice in their
   // item loop changed their K loops (184 -> 228 instructions per group of the 16-token tile,
   // tests/sass/check_sass.sh).
-  constexpr bool kZeroPerItem = kOverlapped && detail::kOverlappedSync<kWarpgroups> == detail::StageSync::kMbarriers;
-  if constexpr (kIsL1 && !kZeroPerItem) {
+  // The absorbing tile: its stages pass by mbarriers and its item loop is the one below.
+  constexpr bool kAbsorbing = kOverlapped && detail::kOverlappedSync<kWarpgroups> == detail::StageSync::kMbarriers;
+  if constexpr (kIsL1 && !kAbsorbing) {
     if (p.zero_first != nullptr) detail::zero_grid_stride(p.zero_first, p.zero_count);
   }
   if (!early_start) grid_dependency_wait();  // the dispatch (L1) or L1 (L2) results are complete from here on
@@ -1311,11 +1312,11 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     total_work = p.tile_offsets[p.num_experts];
   }
   // The absorbing tile without items (every id invalid): the grid zeroes the accumulator here.
-  if constexpr (kIsL1 && kZeroPerItem) {
+  if constexpr (kIsL1 && kAbsorbing) {
     if (p.zero_first != nullptr && total_work == 0) detail::zero_grid_stride(p.zero_first, p.zero_count);
   }
 
-  if constexpr (kOverlapped && detail::kOverlappedSync<kWarpgroups> == detail::StageSync::kMbarriers) {
+  if constexpr (kAbsorbing) {
     // The absorbing tile: no CTA barrier between items. Its stages pass between threads through
     // the stage barriers, within an item and from one item to the next (gemm_item_overlapped
     // returns once every thread has released every stage); each warpgroup runs its epilogue
