@@ -142,6 +142,11 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
                :: "r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0) : "memory");
 }
+// 4 bytes, through L1 (.cg takes 16 only); zero-filled where !valid.
+__device__ __forceinline__ void cp_async_4(uint32_t smem_addr, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+               :: "r"(smem_addr), "l"(gmem), "r"(valid ? 4 : 0) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 template <int N>
@@ -483,9 +488,12 @@ inline constexpr int kStagedStride = 68;
 // Epilogue of one warpgroup's (64, BLOCK_N) tile m_tile, r0 = 16 * warp + g.
 // staging: the L2 combine's staging in shared memory (Smem::kStagingOffset); kOwnStaging: it is
 // not the B stages, so no CTA barrier before it.
+// table_token, table_weight (kOwnStaging, L2): the item's tokens and routing weights in shared
+// memory, indexed from w.slot_begin; the other tiles read them from p.
 template <bool kIsL1, int kWarpgroups, int kBlockN, bool kOwnStaging = false>
 __device__ __forceinline__ void store_tile(const W4a16GemmParams& p, const float (&acc)[kBlockN / 2],
-                                           const WorkItem& w, int m_tile, int warp, int g, int t, uint8_t* staging_smem) {
+                                           const WorkItem& w, int m_tile, int warp, int g, int t, uint8_t* staging_smem,
+                                           const int32_t* table_token = nullptr, const float* table_weight = nullptr) {
   using namespace w4a16;
   const int e = w.expert;
   if constexpr (kIsL1) {
@@ -618,10 +626,17 @@ __device__ __forceinline__ void store_tile(const W4a16GemmParams& p, const float
         float weight[kStagedColumns / 8];
         #pragma unroll
         for (int j = 0; j < kStagedColumns / 8; ++j) {
-          const int slot = w.slot_begin + first + 8 * warp + 2 * j + half;
+          const int column = first + 8 * warp + 2 * j + half;
+          const int slot = w.slot_begin + column;
           const bool valid = slot < w.slot_end;
-          dst_row[j] = !valid ? -1 : (to_slots ? slot : p.slot_token[slot]);
-          weight[j] = valid && !to_slots ? p.slot_weight[slot] : 0.0f;
+          if constexpr (kOwnStaging) {
+            // The absorbing tile: its item's slot table (gemm_item_overlapped).
+            dst_row[j] = !valid ? -1 : (to_slots ? slot : table_token[column]);
+            weight[j] = valid && !to_slots ? table_weight[column] : 0.0f;
+          } else {
+            dst_row[j] = !valid ? -1 : (to_slots ? slot : p.slot_token[slot]);
+            weight[j] = valid && !to_slots ? p.slot_weight[slot] : 0.0f;
+          }
         }
         // Same order as the semantics: y = acc * s2 here, times the routing weight below.
         #pragma unroll
@@ -670,7 +685,11 @@ struct W4a16SmemLayout {
   static constexpr bool kOwnStaging = kWarpgroups == 4;
   static constexpr int kStagingBytes = kWarpgroups * detail::kStagedColumns * detail::kStagedStride * 4;
   static constexpr int kStagingOffset = kOwnStaging ? kScaleOffset + kStages * kScaleStageBytes : kBOffset;
-  static constexpr int kBytes = kScaleOffset + kStages * kScaleStageBytes + (kOwnStaging ? kStagingBytes : 0);
+  // The absorbing tile's slot table (store_tile): per item, its slots' tokens (int32) and routing
+  // weights (fp32), kBlockN each, in two buffers (items alternate).
+  static constexpr int kSlotTableBytes = kOwnStaging ? 2 * kBlockN * 8 : 0;
+  static constexpr int kSlotTableOffset = kScaleOffset + kStages * kScaleStageBytes + (kOwnStaging ? kStagingBytes : 0);
+  static constexpr int kBytes = kSlotTableOffset + kSlotTableBytes;
   static constexpr int kAllocBytes = kBytes + 1024;  // room to align the base to 1024 B
   static_assert(kBTileBytes % 1024 == 0,
                 "BLOCK_N must be a multiple of 8 so each B stage is whole 1024-byte swizzle atoms");
@@ -993,6 +1012,7 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
 struct StageBarriers {
   uint32_t base;    // shared address of full[0]; full[s] at + 8 s, empty[s] at + 8 (kStages + s)
   uint32_t phases;
+  uint32_t items;   // items this CTA has run: the absorbing tile's slot table buffer is items % 2
 };
 template <int kStages>
 __device__ __forceinline__ uint32_t stage_barrier_storage() {
@@ -1011,7 +1031,7 @@ __device__ __forceinline__ StageBarriers init_stage_barriers() {
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  return {base, 0u};
+  return {base, 0u, 0u};
 }
 
 // After an item: waits until every thread has released every stage (each stage's last completed
@@ -1219,9 +1239,29 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
   WeightStreams ws = weight_streams<Smem>(p, w.expert, a_tile0, smem, wg, wtid, 0);
   BPieces<kPieces> b = b_pieces<kIsL1, Smem, kPieces, kThreads>(p, w, k_begin, smem_u32, tid);
   const uint64_t b_desc0 = detail::make_sw128_desc(smem + Smem::kBOffset);
+  // The absorbing L2's slot table (Smem::kSlotTableOffset, buffer items % 2): the item's tokens
+  // and routing weights, copied with its first chunk, so that the combine reads them from shared
+  // memory. Loaded from global memory in the epilogue, each of its passes waited one round trip
+  // for them (a red.add may alias them: they cannot be hoisted above the previous pass's adds):
+  // ncu, Qwen3-30B T=16384, 15% of the L2 kernel's stall samples, long scoreboard, in the
+  // combine. From shared memory: Qwen3-30B T=4096 -3.0%, DeepSeek-V3 T=16384 -1.0% (H100,
+  // docs/perf/2026-11-22-h100-w4a16-v27.md). The buffer is free again two items later: this
+  // item's copies follow the previous item's wait_stages_released, i.e. every thread's epilogue
+  // of the item before.
+  constexpr bool kSlotTable = !kIsL1 && Smem::kOwnStaging;
+  uint8_t* const slot_table = smem + Smem::kSlotTableOffset + (bars.items & 1) * kBlockN * 8;  // (kBlockN) x 2
   auto load = [&](auto offset) {
     constexpr int kOffset = decltype(offset)::value;
     constexpr int kStage = kOffset % kStages;
+    if constexpr (kSlotTable && kOffset == 0) {
+      if (tid < kBlockN) {
+        const int slot = w.slot_begin + tid;
+        const bool valid = slot < w.slot_end;
+        const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(slot_table)) + tid * 4;
+        detail::cp_async_4(dst, p.slot_token + (valid ? slot : 0), valid);
+        detail::cp_async_4(dst + kBlockN * 4, p.slot_weight + (valid ? slot : 0), valid);
+      }
+    }
     detail::cp_async_16(ws.code_dst + kStage * Smem::kCodeStageBytes, ws.code_src, true);
     if (ws.copies_scales) detail::cp_async_16(ws.scale_dst + kStage * Smem::kScaleStageBytes, ws.scale_src, true);
     #pragma unroll
@@ -1256,7 +1296,9 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
     after_mainloop();
     if constexpr (kEpilogue) {
       detail::store_tile<kIsL1, kWarpgroups, kWidth, Smem::kOwnStaging>(p, acc, w, m_tile, warp, g, t,
-                                                                        smem + Smem::kStagingOffset);
+                                                                        smem + Smem::kStagingOffset,
+                                                                        reinterpret_cast<const int32_t*>(slot_table),
+                                                                        reinterpret_cast<const float*>(slot_table) + kBlockN);
     } else {
       // Consume the accumulators, or ptxas drops the decode that feeds the (then dead) wgmmas.
       float sum = 0.0f;
@@ -1265,7 +1307,10 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
       if (sum == -1.0f) p.out_acc[threadIdx.x] = sum;
     }
   });
-  if constexpr (kOverlappedSync<kWarpgroups> == StageSync::kMbarriers) wait_stages_released<kStages>(bars);
+  if constexpr (kOverlappedSync<kWarpgroups> == StageSync::kMbarriers) {
+    wait_stages_released<kStages>(bars);
+    ++bars.items;
+  }
 }
 
 }  // namespace detail
