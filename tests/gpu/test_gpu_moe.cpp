@@ -231,7 +231,11 @@ INSTANTIATE_TEST_SUITE_P(
         TuningCase{Case{"absorbing_many_items", 512, 640, 16, 4, 1200}, false, false, true},
         // Qwen3-30B's H and I (the heuristic's absorbing tile around 128 tokens per expert): L2
         // items of 12 chunks, L1 items of 32 over 6 row blocks.
-        TuningCase{Case{"absorbing_qwen3_30b_shape", 2048, 768, 8, 2, 700}, false, false, true}),
+        TuningCase{Case{"absorbing_qwen3_30b_shape", 2048, 768, 8, 2, 700}, false, false, true},
+        // Four L2 items per CTA on 132 SMs (16 experts x 8 row blocks x 4 n-tiles of ~500 tokens,
+        // items of one 6-chunk round): the L2 combine's slot table alternates its two buffers and
+        // rewrites each two items later, across the item loop that has no CTA barrier.
+        TuningCase{Case{"absorbing_l2_items_per_cta", 2048, 384, 16, 4, 2000}, false, false, true}),
     [](const ::testing::TestParamInfo<TuningCase>& info) { return std::string(info.param.c.name); });
 
 // DeepGEMM's rule for a fused path: bitwise equal to the unfused pipeline of the library's own

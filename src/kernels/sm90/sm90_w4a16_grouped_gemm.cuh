@@ -620,8 +620,9 @@ __device__ __forceinline__ void store_tile(const W4a16GemmParams& p, const float
       #pragma unroll
       for (int first = 0; first < kBlockN; first += kStagedColumns) {
         // This lane's tokens in the pass: columns first + 8 warp + 2 j + half, their destination row
-        // (token or slot, -1 past the item's slots) and routing weight. Loaded before the staging
-        // stores, so their round trip overlaps them.
+        // (token or slot, -1 past the item's slots) and routing weight: from the absorbing tile's
+        // slot table in shared memory, or from global memory before the staging stores, so that
+        // their round trip overlaps them.
         int32_t dst_row[kStagedColumns / 8];
         float weight[kStagedColumns / 8];
         #pragma unroll
@@ -1012,7 +1013,7 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
 struct StageBarriers {
   uint32_t base;    // shared address of full[0]; full[s] at + 8 s, empty[s] at + 8 (kStages + s)
   uint32_t phases;
-  uint32_t items;   // items this CTA has run: the absorbing tile's slot table buffer is items % 2
+  uint32_t items;   // items this CTA has run (kMbarriers only): the slot table's buffer is items % 2
 };
 template <int kStages>
 __device__ __forceinline__ uint32_t stage_barrier_storage() {
@@ -1248,7 +1249,7 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
   // docs/perf/2026-11-22-h100-w4a16-v27.md). The buffer is free again two items later: this
   // item's copies follow the previous item's wait_stages_released, i.e. every thread's epilogue
   // of the item before.
-  constexpr bool kSlotTable = !kIsL1 && Smem::kOwnStaging;
+  constexpr bool kSlotTable = !kIsL1 && Smem::kOwnStaging && kEpilogue;
   uint8_t* const slot_table = smem + Smem::kSlotTableOffset + (bars.items & 1) * kBlockN * 8;  // (kBlockN) x 2
   auto load = [&](auto offset) {
     constexpr int kOffset = decltype(offset)::value;
