@@ -688,7 +688,8 @@ struct W4a16SmemLayout {
   static constexpr int kStagingOffset = kOwnStaging ? kScaleOffset + kStages * kScaleStageBytes : kBOffset;
   // The absorbing tile's slot table (store_tile): per item, its slots' tokens (int32) and routing
   // weights (fp32), kBlockN each, in two buffers (items alternate).
-  static constexpr int kSlotTableBytes = kOwnStaging ? 2 * kBlockN * 8 : 0;
+  static constexpr int kSlotTableBufferBytes = kBlockN * 8;
+  static constexpr int kSlotTableBytes = kOwnStaging ? 2 * kSlotTableBufferBytes : 0;
   static constexpr int kSlotTableOffset = kScaleOffset + kStages * kScaleStageBytes + (kOwnStaging ? kStagingBytes : 0);
   static constexpr int kBytes = kSlotTableOffset + kSlotTableBytes;
   static constexpr int kAllocBytes = kBytes + 1024;  // room to align the base to 1024 B
@@ -1250,7 +1251,7 @@ __device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, c
   // item's copies follow the previous item's wait_stages_released, i.e. every thread's epilogue
   // of the item before.
   constexpr bool kSlotTable = !kIsL1 && Smem::kOwnStaging && kEpilogue;
-  uint8_t* const slot_table = smem + Smem::kSlotTableOffset + (bars.items & 1) * kBlockN * 8;  // (kBlockN) x 2
+  uint8_t* const slot_table = smem + Smem::kSlotTableOffset + (bars.items & 1) * Smem::kSlotTableBufferBytes;
   auto load = [&](auto offset) {
     constexpr int kOffset = decltype(offset)::value;
     constexpr int kStage = kOffset % kStages;
