@@ -17,8 +17,8 @@
 #include <nlohmann/json.hpp>
 
 #include "bench/l2_flush.h"
-#include "bench/sm_clock.h"
 #include "bench/sm90_bf16_baseline.h"
+#include "bench/sm_clock.h"
 #include "megamoe/checkpoint.h"
 #include "megamoe/dtype.h"
 #include "megamoe/gpu.h"
@@ -26,6 +26,9 @@
 #include "megamoe/reference.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
+#include "runtime/cuda_check.h"
+#include "runtime/sm90_moe_heuristics.h"
+#include "tools/common/device_buffer.h"
 
 namespace megamoe::bench {
 namespace {
@@ -34,7 +37,7 @@ using gpu::check_cuda;
 
 constexpr double kNvfp4BytesPerWeight = 0.5625;  // 4-bit code + one 1-byte scale per 16
 
-using gpu::DeviceBuffer;
+using tools::DeviceBuffer;
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
@@ -354,13 +357,13 @@ int run_bench(const BenchOptions& opt) {
   tuning.early_start = opt.early_start;
   tuning.absorbing_tile = opt.absorbing_tile;
   const MoePlan plan = MoePlan::create(problem, tuning);
-  // An override that cannot run at some T (MoeTuning: MoePlan::config(T) throws) skips that timed
+  // An override that cannot run at some T (MoeTuning: moe_config(plan, T) throws) skips that timed
   // point with its reason instead of ending the run; the untimed checks (accuracy line, cosine) run
   // on the heuristic's own plan there.
   const MoePlan heuristic_plan = MoePlan::create(problem);
   auto tuning_error = [&](int64_t T) -> std::string {
     try {
-      (void)plan.config(T);
+      (void)moe_config(plan, T);
       return {};
     } catch (const Error& e) {
       if (e.code() != ErrorCode::kInvalidArgument) throw;  // not an override it rejects: a real failure

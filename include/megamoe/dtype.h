@@ -36,8 +36,4 @@ inline float round_to_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
 float f16_to_f32(uint16_t h);
 uint16_t f32_to_f16(float f);
 
-// Any float-like element of the listed dtypes to f32 (BF16, F16, F32, F8_E4M3, F8_E5M2).
-// Throws megamoe::Error(kInvalidArgument) for integer dtypes.
-float load_as_f32(DType t, const void* base, int64_t index);
-
 }  // namespace megamoe

@@ -6,6 +6,16 @@
 #include <cstdint>
 #include <span>
 
+#include "megamoe/dtype.h"
+
+namespace megamoe {
+
+// Any float-like element of the listed dtypes to f32 (BF16, F16, F32, F8_E4M3, F8_E5M2).
+// Throws megamoe::Error(kInvalidArgument) for integer dtypes.
+float load_as_f32(DType t, const void* base, int64_t index);
+
+}  // namespace megamoe
+
 namespace megamoe::format {
 
 inline constexpr int kNvfp4BlockSize = 16;  // elements per ue4m3 scale, along K

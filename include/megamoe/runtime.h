@@ -27,72 +27,9 @@ struct MoeProblem {
   static MoeProblem from_layer(const MoeLayer& layer, int64_t max_tokens);
 };
 
-// One grouped-GEMM configuration (whitelisted: see sm90_moe_heuristics.cpp).
-struct GemmConfig {
-  int warpgroups = 1;  // consumer warpgroups per CTA: BLOCK_M = 64 * warpgroups
-  int block_n = 16;    // tokens per tile (wgmma N)
-  int stages = 4;      // cp.async pipeline depth
-  int k_splits = 1;    // K slices per output tile, added atomically (L2 atomic combine only)
-  // Tokens an expert's last tile may hold beyond the others: tiles step by block_n - last_tile_extra
-  // tokens, and a remainder of up to last_tile_extra tokens joins the last full tile.
-  int last_tile_extra = 0;
-  // Each warpgroup decodes a k16 step while its previous step's wgmma runs (the overlapped K loop,
-  // sm90_w4a16_grouped_gemm.cuh), at two token widths: block_n and a narrower one.
-  bool overlapped = false;
-  int tile_step() const { return block_n - last_tile_extra; }
-  std::string to_string() const;
-};
-// The prefill tile: two warpgroups (BLOCK_M = 128) on a 128-token tile, two CTAs per SM.
-inline constexpr GemmConfig kPrefillTile{2, 128, 4};
-// The same tile with the overlapped K loop, for experts of many tokens (token widths 64 and 128).
-inline constexpr GemmConfig kOverlappedPrefillTile{2, 128, 4, 1, 0, true};
-// The absorbing prefill tile: four warpgroups (BLOCK_M = 256), 128-token tiles of which an
-// expert's last takes up to 32 tokens more (sm90_w4a16_grouped_gemm.cuh, gemm_item_overlapped).
-inline constexpr GemmConfig kAbsorbingTile{4, 160, 6, 1, 32, true};
-// The decode tiles the fused L1 + L2 launch is built for: the 16-token tile (the heuristic's
-// fused choice, and the one a forced fused launch runs) and the 32-token tile (where it decodes
-// fewer weights; see sm90_moe_heuristics.cpp).
-inline constexpr GemmConfig kFusedTile{1, 16, 8};
-inline constexpr GemmConfig kFusedTile32{1, 32, 6};
-// CTAs per SM of those tiles' kernels (their launch bounds: <= 80 and <= 96 registers), which the
-// heuristic's count of CTA slots assumes.
-inline constexpr int kFusedTileCtasPerSm = 6;
-inline constexpr int kFusedTile32CtasPerSm = 5;
-// Early start (a tiny batch's L1 CTAs compute their first work item from the top-k ids and run it
-// while the dispatch kernel still runs) holds up to this many routed selections (T * k: one per
-// lane of a warp) and slots (T * (k + shared slices)).
-inline constexpr int64_t kEarlyStartMaxSelections = 32;
-inline constexpr int64_t kEarlyStartMaxSlots = 64;
-struct MoeConfig {
-  GemmConfig l1;       // x · W13ᵀ + SwiGLU
-  GemmConfig l2;       // a · W2ᵀ + combine
-  bool fused = false;  // L1 and L2 in one persistent launch (needs can_fuse)
-  bool early_start = false;  // L1's first items start before the dispatch completes (tiny T)
-  std::string to_string() const;
-  // Whether both GEMMs run the same fused tile, kFusedTile or kFusedTile32 (K slices aside), so
-  // that they may run fused.
-  bool can_fuse() const;
-};
-
-// Whether a batch of `tokens` is small enough for early start (kEarlyStartMaxSelections,
-// kEarlyStartMaxSlots).
-bool can_start_early(const MoeProblem& problem, int64_t tokens);
-
-// Whether both GEMMs can run the absorbing tile (kAbsorbingTile): 2I and H multiples of its
-// 256-row blocks.
-bool can_absorb(const MoeProblem& problem);
-
-// The heuristic: a pure function of the problem, the token count and the device's SM count
-// (printable). `fused`, where set, replaces its choice of launch (MoeTuning::fused) before the
-// tiles that depend on it are chosen: two launches may take a wider decode tile than the fused
-// launch's. `absorbing_tile` (MoeTuning::absorbing_tile): true runs both GEMMs on the absorbing
-// tile where can_absorb (MoePlan::config rejects the rest); false leaves it out, for the tile
-// the heuristic picks without it.
-MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms = 132,
-                            std::optional<bool> fused = std::nullopt, std::optional<bool> absorbing_tile = std::nullopt);
-
 // Overrides of the heuristic, for tuning and tests; unset fields keep the heuristic's choice.
-// MoePlan::config() rejects an override the kernels cannot run, saying what is allowed.
+// run() and MoePlan::describe reject an override the kernels cannot run at a given T, saying
+// what is allowed.
 struct MoeTuning {
   // The fused L1 + L2 launch. true runs it on the 16-token tile up to 16 tokens per expert, and on
   // the 32-token tile from 17 to 24 (the tile the heuristic picks there); past 24 there is no
@@ -100,9 +37,11 @@ struct MoeTuning {
   // the device) must be resident at once: where the process gets only part of the SMs (an MPS
   // active-thread limit, a green context), set it to false.
   std::optional<bool> fused;
-  // Early start (only where can_start_early); false waits for the dispatch before L1's first items.
+  // Early start (up to 32 routed selections T * top_k and 64 slots T * (top_k + shared slices));
+  // false waits for the dispatch before L1's first items.
   std::optional<bool> early_start;
-  // The absorbing prefill tile (kAbsorbingTile) in both GEMMs. true needs 2I and H multiples of
+  // The absorbing prefill tile (four warpgroups, 128-token tiles whose last takes up to 32 more)
+  // in both GEMMs. true needs 2I and H multiples of
   // 256 (its 256-row blocks) and runs two launches without early start; false never uses it.
   std::optional<bool> absorbing_tile;
 };
@@ -149,10 +88,10 @@ class MoeDeviceWeights {
   MoeDeviceWeights& operator=(MoeDeviceWeights&&) noexcept;
   ~MoeDeviceWeights();
   size_t device_bytes() const;
-  struct Impl;
-  const Impl& impl() const { return *impl_; }
 
  private:
+  struct Impl;
+  friend struct DeviceWeightsAccess;  // the runtime's view of the prepacked tensors
   MoeDeviceWeights();
   std::unique_ptr<Impl> impl_;
 };
@@ -174,12 +113,11 @@ class MoePlan {
   static MoePlan create(const MoeProblem& problem, const MoeTuning& tuning = {});
   const MoeProblem& problem() const { return problem_; }
   const MoeTuning& tuning() const { return tuning_; }
-  // The configuration run() uses for T tokens: the heuristic's, with the tuning overrides.
-  // Throws megamoe::Error(kInvalidArgument) when an override cannot run at this T.
-  MoeConfig config(int64_t tokens) const;
   size_t workspace_bytes() const;
   int num_sms() const { return num_sms_; }
-  // The configuration run() will use for T tokens, as text.
+  // The configuration run() will use for T tokens, as text (tiles of both GEMMs, fused launch,
+  // early start). Throws megamoe::Error(kInvalidArgument) when a MoeTuning override cannot run at
+  // this T.
   std::string describe(int64_t tokens) const;
   // Number of top-k ids outside [0, E) seen by the last run() that used `workspace`
   // (synchronises `stream`; call outside graph capture).

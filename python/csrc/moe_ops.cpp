@@ -26,6 +26,7 @@
 
 #include "megamoe/gpu.h"
 #include "megamoe/runtime.h"
+#include "runtime/cuda_check.h"
 #include "torch_utils.h"
 
 namespace megamoe::torch_ext {

@@ -4,7 +4,6 @@
 #include <cstring>
 
 #include "core/bits.h"
-#include "megamoe/format.h"
 #include "megamoe/status.h"
 
 namespace megamoe {
@@ -100,39 +99,6 @@ uint16_t f32_to_f16(float f) {
   const int e = field ? exp : -126;
   // value = m * 2^(e - 23) = (m * 2^(e + 1)) units of 2^-24; e + 1 <= -14 here.
   return static_cast<uint16_t>(sign | shift_right_rne(m, -(e + 1)));
-}
-
-float load_as_f32(DType t, const void* base, int64_t index) {
-  MEGAMOE_CHECK(base != nullptr, kInvalidArgument, "load_as_f32: the base pointer is null.");
-  MEGAMOE_CHECK(index >= 0, kInvalidArgument, "load_as_f32: index ", index,
-                " is negative; element indices start at 0.");
-  // memcpy: safetensors data is only byte-aligned in general.
-  const auto* p = static_cast<const unsigned char*>(base);
-  switch (t) {
-    case DType::BF16: {
-      uint16_t h;
-      std::memcpy(&h, p + index * 2, 2);
-      return bf16_to_f32(h);
-    }
-    case DType::F16: {
-      uint16_t h;
-      std::memcpy(&h, p + index * 2, 2);
-      return f16_to_f32(h);
-    }
-    case DType::F32: {
-      float f;
-      std::memcpy(&f, p + index * 4, 4);
-      return f;
-    }
-    case DType::F8_E4M3: return format::e4m3_to_f32(p[index]);
-    case DType::F8_E5M2: return format::e5m2_to_f32(p[index]);
-    case DType::U8:
-    case DType::I8:
-    case DType::I32:
-    case DType::I64: break;
-  }
-  MEGAMOE_FAIL(kInvalidArgument, "load_as_f32: dtype ", dtype_name(t),
-               " is not a floating-point type; allowed are BF16, F16, F32, F8_E4M3, F8_E5M2.");
 }
 
 }  // namespace megamoe

@@ -8,6 +8,7 @@
 #include "megamoe/gpu.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
+#include "runtime/cuda_check.h"
 
 namespace megamoe {
 

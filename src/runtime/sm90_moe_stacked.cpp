@@ -15,6 +15,7 @@
 #include "megamoe/gpu.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
+#include "runtime/cuda_check.h"
 
 namespace megamoe {
 namespace {

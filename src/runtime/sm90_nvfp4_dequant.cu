@@ -2,14 +2,9 @@
 #include "kernels/sm90/sm90_nvfp4_dequant.cuh"
 #include "megamoe/gpu.h"
 #include "megamoe/status.h"
+#include "runtime/cuda_check.h"
 
 namespace megamoe::gpu {
-
-void check_cuda(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    MEGAMOE_FAIL(kCuda, what, " failed: ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")");
-  }
-}
 
 int device_count() {
   int n = 0;

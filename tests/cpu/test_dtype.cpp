@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "megamoe/dtype.h"
+#include "megamoe/format.h"
 #include "megamoe/status.h"
 
 namespace megamoe {

@@ -3,10 +3,13 @@
 // deliberate (and re-measured, docs/perf).
 #include <gtest/gtest.h>
 
+#include <optional>
 #include <string>
 
 #include "megamoe/presets.h"
 #include "megamoe/runtime.h"
+#include "runtime/sm90_moe_heuristics.h"
+#include "runtime/sm90_w4a16_tiles.h"
 
 namespace megamoe {
 namespace {
@@ -117,7 +120,7 @@ TEST(Heuristics, AbsorbingTileOverride) {
   MoeProblem odd = p;
   odd.hidden_size = 7168 + 64;
   EXPECT_EQ(choose_moe_config(odd, 1, 132, std::nullopt, true).l1.block_n,
-            choose_moe_config(odd, 1).l1.block_n);  // cannot absorb: MoePlan::config rejects it
+            choose_moe_config(odd, 1).l1.block_n);  // cannot absorb: moe_config rejects it
 }
 
 TEST(Heuristics, L2SplitsKForTinyBatches) {
@@ -219,6 +222,55 @@ TEST(Heuristics, OddTileCountsAvoidTheTwoWarpgroupTile) {
   const MoeConfig c = choose_moe_config(p, 16384);
   EXPECT_EQ(c.l2.warpgroups, 1);
   EXPECT_EQ(c.l1.warpgroups, 2);
+}
+
+// The tile table (src/runtime/sm90_w4a16_tiles.h) is the launch whitelist: whatever the heuristic
+// picks, for every preset, T and override, must be one of its entries (a choice outside it fails
+// only at run time, on the GPU, as "no kernel instantiated").
+TEST(TileTable, EveryHeuristicChoiceIsAnEntry) {
+  const std::optional<bool> options[] = {std::nullopt, true, false};
+  int checked = 0;
+  for (const ModelPreset& m : model_presets()) {
+    const MoeProblem p = preset_problem(m.name);
+    for (int64_t T : {1, 2, 3, 4, 8, 16, 17, 32, 64, 100, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144,
+                      8192, 16384}) {
+      for (const std::optional<bool> fused : options) {
+        for (const std::optional<bool> absorbing : options) {
+          const MoeConfig c = choose_moe_config(p, T, 132, fused, absorbing);
+          for (const GemmConfig& g : {c.l1, c.l2}) {
+            EXPECT_GE(find_w4a16_tile(g), 0) << m.name << " T=" << T << ": " << c.to_string();
+            EXPECT_GE(g.k_splits, 1) << c.to_string();
+          }
+          if (c.fused) {
+            EXPECT_TRUE(c.can_fuse()) << c.to_string();
+            EXPECT_TRUE(kW4a16Tiles[find_w4a16_tile(c.l1)].fusable) << c.to_string();
+          }
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 0);
+}
+
+// The table's entries are distinct tiles with a consistent geometry: the kernels' static_asserts
+// check the rest at compile time (sm90_w4a16_launch.cuh, sm90_w4a16_tile.cuh).
+TEST(TileTable, EntriesAreDistinctAndConsistent) {
+  for (int i = 0; i < kW4a16TileCount; ++i) {
+    const W4a16TileEntry& e = kW4a16Tiles[i];
+    SCOPED_TRACE(e.name);
+    EXPECT_EQ(find_w4a16_tile(e.config), i) << "two entries with the same tile";
+    EXPECT_TRUE(e.config.warpgroups == 1 || e.config.warpgroups == 2 || e.config.warpgroups == 4);
+    EXPECT_EQ(e.config.block_n % 8, 0);
+    EXPECT_GE(e.config.stages, 2);
+    EXPECT_EQ(e.config.k_splits, 1) << "K slices are a run-time choice, not part of a tile";
+    EXPECT_GE(e.ctas_per_sm, 1);
+    // 64K registers per SM: the launch bounds must leave at least 64 registers per thread.
+    EXPECT_LE(e.ctas_per_sm * e.config.warpgroups * 128 * 64, 65536);
+    if (e.fusable) EXPECT_EQ(e.config.warpgroups, 1) << "the fused kernel runs one-warpgroup tiles";
+    if (e.config.overlapped) EXPECT_GE(e.config.warpgroups, 2);
+  }
+  EXPECT_EQ(find_w4a16_tile(GemmConfig{1, 16, 7}), -1);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "megamoe/gpu.h"
+#include "tools/common/device_buffer.h"
 
 #define MEGAMOE_REQUIRE_GPU()                                                       \
   do {                                                                              \
@@ -20,6 +21,6 @@
 
 namespace megamoe::testing {
 
-using gpu::DeviceBuffer;
+using tools::DeviceBuffer;
 
 }  // namespace megamoe::testing

@@ -10,6 +10,7 @@
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
 #include "moe_test_util.h"
+#include "runtime/sm90_moe_heuristics.h"
 
 namespace megamoe {
 namespace {
@@ -258,9 +259,9 @@ TEST(GpuMoe, FusedIsBitwiseTheTwoLaunchPipeline) {
     fused.fused = true;
     unfused.fused = false;
     GpuMoe a(layer, T, true, fused), b(layer, T, true, unfused);
-    ASSERT_TRUE(a.plan.config(T).fused) << a.plan.describe(T);
-    ASSERT_EQ(a.plan.config(T).l1.block_n, T == 80 ? 32 : 16) << a.plan.describe(T);
-    ASSERT_EQ(b.plan.config(T).l1.block_n, T >= 40 ? 32 : 16) << b.plan.describe(T);
+    ASSERT_TRUE(moe_config(a.plan, T).fused) << a.plan.describe(T);
+    ASSERT_EQ(moe_config(a.plan, T).l1.block_n, T == 80 ? 32 : 16) << a.plan.describe(T);
+    ASSERT_EQ(moe_config(b.plan, T).l1.block_n, T >= 40 ? 32 : 16) << b.plan.describe(T);
     const auto got = a.run(hidden, topk);
     ASSERT_EQ(got, b.run(hidden, topk)) << "T=" << T;
     for (int rep = 0; rep < 3; ++rep) ASSERT_EQ(a.run(hidden, topk), got) << "T=" << T << " repetition " << rep;
@@ -293,13 +294,13 @@ TEST(GpuMoe, EarlyStartIsBitwiseTheWaitingPipeline) {
       MoeTuning early, waiting;
       early.early_start = true;
       waiting.early_start = false;
-      if (MoePlan::create(MoeProblem::from_layer(layer, s.T), {}).config(s.T).can_fuse()) {
+      if (moe_config(MoePlan::create(MoeProblem::from_layer(layer, s.T), {}), s.T).can_fuse()) {
         early.fused = waiting.fused = fused;
       } else if (fused) {
         continue;  // past 24 tokens per expert: no fused kernel
       }
       GpuMoe a(layer, s.T, true, early), b(layer, s.T, true, waiting);
-      ASSERT_TRUE(a.plan.config(s.T).early_start) << a.plan.describe(s.T);
+      ASSERT_TRUE(moe_config(a.plan, s.T).early_start) << a.plan.describe(s.T);
       const auto got = a.run(hidden, topk);
       ASSERT_EQ(got, b.run(hidden, topk)) << a.plan.describe(s.T);
       for (int rep = 0; rep < 3; ++rep) ASSERT_EQ(a.run(hidden, topk), got) << "repetition " << rep;
@@ -314,19 +315,19 @@ TEST(GpuMoe, RejectsTuningThatCannotRun) {
   const MoeProblem p = MoeProblem::from_layer(layer, 512);
   MoeTuning t;
   t.fused = true;
-  EXPECT_TRUE(MoePlan::create(p, t).config(8).fused);
-  EXPECT_EQ(MoePlan::create(p, t).config(80).l1.block_n, 32);  // 20 per expert: the fused 32-token tile
-  EXPECT_TRUE(MoePlan::create(p, t).config(80).fused);
-  EXPECT_THROW(MoePlan::create(p, t).config(128), Error);  // 32 per expert: the 48-token tile, not fused
-  EXPECT_THROW(MoePlan::create(p, t).config(512), Error);  // 128 tokens per expert: no fused kernel
+  EXPECT_TRUE(moe_config(MoePlan::create(p, t), 8).fused);
+  EXPECT_EQ(moe_config(MoePlan::create(p, t), 80).l1.block_n, 32);  // 20 per expert: the fused 32-token tile
+  EXPECT_TRUE(moe_config(MoePlan::create(p, t), 80).fused);
+  EXPECT_THROW(moe_config(MoePlan::create(p, t), 128), Error);  // 32 per expert: the 48-token tile, not fused
+  EXPECT_THROW(moe_config(MoePlan::create(p, t), 512), Error);  // 128 tokens per expert: no fused kernel
   t.fused = false;
-  EXPECT_FALSE(MoePlan::create(p, t).config(8).fused);
+  EXPECT_FALSE(moe_config(MoePlan::create(p, t), 8).fused);
   MoeTuning early;
   early.early_start = true;
-  EXPECT_TRUE(MoePlan::create(p, early).config(16).early_start);  // 32 selections
-  EXPECT_THROW(MoePlan::create(p, early).config(17), Error);      // 34: more than a warp
+  EXPECT_TRUE(moe_config(MoePlan::create(p, early), 16).early_start);  // 32 selections
+  EXPECT_THROW(moe_config(MoePlan::create(p, early), 17), Error);      // 34: more than a warp
   early.early_start = false;
-  EXPECT_FALSE(MoePlan::create(p, early).config(1).early_start);
+  EXPECT_FALSE(moe_config(MoePlan::create(p, early), 1).early_start);
 }
 
 TEST(GpuMoe, ZeroTokensIsANoOp) {

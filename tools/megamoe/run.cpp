@@ -12,6 +12,8 @@
 #include "megamoe/gpu.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
+#include "runtime/cuda_check.h"
+#include "tools/common/device_buffer.h"
 
 namespace megamoe::tool {
 
@@ -38,11 +40,11 @@ void run_gpu(const RunArgs& args) {
   problem.deterministic = args.deterministic;
   const MoePlan plan = MoePlan::create(problem);
   const MoeDeviceWeights weights = MoeDeviceWeights::upload(job.layer);
-  const gpu::DeviceBuffer<uint8_t> workspace(plan.workspace_bytes());
-  const gpu::DeviceBuffer<uint16_t> hidden(job.hidden);
-  const gpu::DeviceBuffer<int32_t> ids(job.topk.ids);
-  const gpu::DeviceBuffer<float> topk_weights(job.topk.weights);
-  const gpu::DeviceBuffer<uint16_t> out(static_cast<size_t>(T * H));
+  const tools::DeviceBuffer<uint8_t> workspace(plan.workspace_bytes());
+  const tools::DeviceBuffer<uint16_t> hidden(job.hidden);
+  const tools::DeviceBuffer<int32_t> ids(job.topk.ids);
+  const tools::DeviceBuffer<float> topk_weights(job.topk.weights);
+  const tools::DeviceBuffer<uint16_t> out(static_cast<size_t>(T * H));
 
   MoeRunArgs run_args;
   run_args.hidden = hidden.get();

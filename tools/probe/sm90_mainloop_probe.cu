@@ -26,12 +26,18 @@
 
 #include <cute/arch/mma_sm90_gmma.hpp>
 
+#include "kernels/common/ptx_wgmma.cuh"
 #include "kernels/sm90/sm90_w4a16_decode.cuh"
-#include "kernels/sm90/sm90_w4a16_grouped_gemm.cuh"
+#include "kernels/sm90/sm90_w4a16_mainloop_overlapped.cuh"
+#include "kernels/sm90/sm90_w4a16_mainloop_pipelined.cuh"
+#include "kernels/sm90/sm90_w4a16_params.cuh"
+#include "kernels/sm90/sm90_w4a16_scheduler.cuh"
+#include "kernels/sm90/sm90_w4a16_tile.cuh"
 
 namespace {
 
 namespace k90 = megamoe::kernels::sm90;
+namespace ptx = megamoe::kernels::ptx;
 using namespace cute::SM90::GMMA;
 using Rs = MMA_64x128x16_F32BF16BF16_RS<Major::K, Major::K>;
 using Ss = MMA_64x128x16_F32BF16BF16_SS<Major::K, Major::K>;
@@ -49,7 +55,7 @@ void check(cudaError_t e, const char* what) {
 
 enum class AOperand { kRegistersConstant, kRegistersDecoded, kShared };
 
-// (A from registers: the library's detail::wgmma_rs<Rs>.)
+// (A from registers: the library's ptx::wgmma_rs<Rs>.)
 template <size_t... I>
 __device__ __forceinline__ void wgmma_ss(uint64_t a, uint64_t b, float (&d)[64], std::index_sequence<I...>) {
   Ss::fma(a, b, d[I]...);
@@ -66,8 +72,8 @@ __global__ void __launch_bounds__(512, 1) wgmma_rate_kernel(int chunks, const ui
   for (int i = tid; i < kRateSmemBytes / 4; i += blockDim.x)  // bf16 pairs in [0.5, 2)
     reinterpret_cast<uint32_t*>(smem)[i] = 0x3f003f00u ^ (i * 2654435761u & 0x007f007fu);
   __syncthreads();
-  const uint64_t b_desc = k90::detail::make_sw128_desc(smem);
-  const uint64_t a_desc = k90::detail::make_sw128_desc(smem + 4 * 16384 + wg * 8192);
+  const uint64_t b_desc = ptx::make_sw128_desc(smem);
+  const uint64_t a_desc = ptx::make_sw128_desc(smem + 4 * 16384 + wg * 8192);
   uint32_t words[4];
   for (int i = 0; i < 4; ++i) words[i] = words_in[(tid * 4 + i) % 4096];
   const uint32_t scale_word = (words_in[tid % 4096] & 0x07700770u) | 0x00800080u;  // scales near 1
@@ -90,31 +96,31 @@ __global__ void __launch_bounds__(512, 1) wgmma_rate_kernel(int chunks, const ui
     if constexpr (!kWaitPerStep) {
 #pragma unroll
       for (int s = 0; s < 4; ++s) make_a(s, a[s]);
-      k90::detail::wgmma_fence();
+      ptx::wgmma_fence();
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
         if constexpr (kA == AOperand::kShared) wgmma_ss(a_desc + s * 2, b_stage + s * 2, acc, std::make_index_sequence<64>{});
-        else k90::detail::wgmma_rs<Rs>(a[s], b_stage + s * 2, acc, std::make_index_sequence<64>{});
+        else ptx::wgmma_rs<Rs>(a[s], b_stage + s * 2, acc, std::make_index_sequence<64>{});
       }
-      k90::detail::wgmma_commit();
-      k90::detail::wgmma_wait_all();
+      ptx::wgmma_commit();
+      ptx::wgmma_wait_all();
 #pragma unroll
       for (int s = 0; s < 4; ++s)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) k90::detail::keep_in_register(a[s][i]);
+        for (int i = 0; i < 4; ++i) ptx::keep_in_register(a[s][i]);
     } else {
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
         make_a(s, a[s % 2]);
-        k90::detail::wgmma_fence();
+        ptx::wgmma_fence();
         if constexpr (kA == AOperand::kShared) wgmma_ss(a_desc + s * 2, b_stage + s * 2, acc, std::make_index_sequence<64>{});
-        else k90::detail::wgmma_rs<Rs>(a[s % 2], b_stage + s * 2, acc, std::make_index_sequence<64>{});
-        k90::detail::wgmma_commit();
-        k90::detail::wgmma_wait_one();
+        else ptx::wgmma_rs<Rs>(a[s % 2], b_stage + s * 2, acc, std::make_index_sequence<64>{});
+        ptx::wgmma_commit();
+        ptx::wgmma_wait_one();
       }
     }
   }
-  k90::detail::wgmma_wait_all();
+  ptx::wgmma_wait_all();
   const long long t1 = clock64();
   float sum = 0.0f;
   for (int i = 0; i < 64; ++i) sum += acc[i];

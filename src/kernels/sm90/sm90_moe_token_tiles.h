@@ -1,5 +1,5 @@
 // How many token tiles an expert of c slots takes. The dispatch kernel and the GEMMs schedule
-// work items by it (sm90_moe_dispatch.cuh, sm90_w4a16_grouped_gemm.cuh), and the host heuristic
+// work items by it (sm90_moe_dispatch.cuh, sm90_w4a16_scheduler.cuh), and the host heuristic
 // estimates tile counts with it (sm90_moe_heuristics.cpp): one definition for both sides (a
 // constexpr function; the CUDA sources build with --expt-relaxed-constexpr).
 #pragma once
