@@ -99,7 +99,9 @@ void parallel_for(const std::vector<Task>& tasks, int threads, Fn fn) {
   if (failure) std::rethrow_exception(failure);
 }
 
-inline void check_forward_arguments(const char* fn, const MoeLayer& layer, std::span<const uint16_t> hidden_bf16,
+// The arguments every forward takes; `fn` names the caller in the messages.
+inline void check_forward_arguments(const char* fn, const MoeLayer& layer,
+                                   std::span<const uint16_t> hidden_bf16,
                                    int64_t tokens, const TopK& topk,
                                    const ForwardOptions& opt) {
   layer.validate();

@@ -262,7 +262,9 @@ W4a8Numerics prepare(const MoeLayer& layer, std::span<const uint16_t> hidden_bf1
   }
   W4a8Numerics num{layer, std::vector<std::optional<W4a8Expert>>(layer.num_experts), {}};
   for (const int32_t id : topk.ids) {
-    if (!num.routed[id]) num.routed[id] = prepare_expert(layer.experts[id], "expert " + std::to_string(id));
+    if (!num.routed[id]) {
+      num.routed[id] = prepare_expert(layer.experts[id], "expert " + std::to_string(id));
+    }
   }
   if (layer.shared_expert && tokens > 0) {
     num.shared = prepare_expert(*layer.shared_expert, "the shared expert");
