@@ -411,6 +411,58 @@ TEST(W4a8Codec, WeightProductRoundingHandValues) {
   }
 }
 
+// The kernel-side forms docs/w4a8.md gives, checked against the definitions: they are the
+// document's promises to whoever writes the GPU code.
+TEST(W4a8Codec, KernelFormsOfTheDocumentAgree) {
+  // The activation exponent from the fp32 bits of amax: e = -126 if the exponent field F is 0,
+  // else max(-126, F - 135 + (mantissa field > 0x600000)).
+  auto bits_rule = [](float amax) {
+    uint32_t u;
+    std::memcpy(&u, &amax, 4);
+    const int F = static_cast<int>((u >> 23) & 0xFF);
+    const uint32_t M = u & 0x7FFFFF;
+    return F == 0 ? -126 : std::max(-126, F - 135 + (M > 0x600000u ? 1 : 0));
+  };
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  Rng rng(seed);
+  for (const float amax : {0.0f, 448.0f, std::nextafter(448.0f, 1e9f), 224.0f, 1.0f, 1.75f,
+                           std::nextafter(1.75f, 9.0f), FLT_MIN, 1e-40f, FLT_MAX}) {
+    EXPECT_EQ(bits_rule(amax), format::w4a8_act_scale_exponent(amax)) << amax;
+  }
+  for (int i = 0; i < 100000; ++i) {
+    const float amax = std::fabs(bf16_to_f32(static_cast<uint16_t>(rng.uniform_int(0, 0x7F7F))));
+    ASSERT_EQ(bits_rule(amax), format::w4a8_act_scale_exponent(amax)) << amax;
+    // x·2^-e as an fp32 multiply, then the fp32 codec (as cvt.rn.satfinite.e4m3x2.f32 would),
+    // gives the code of the exact value, underflowing products included.
+    const int e = format::w4a8_act_scale_exponent(amax);
+    const float x = amax * static_cast<float>(rng.uniform(-1.0, 1.0)) *
+                    std::ldexp(1.0f, -rng.uniform_int(0, 30));
+    const float xb = bf16_to_f32(f32_to_bf16(x));
+    ASSERT_EQ(format::f32_to_e4m3(xb * std::ldexp(1.0f, -e)),
+              format::f64_to_e4m3(std::ldexp(static_cast<double>(xb), -e)))
+        << xb << " e " << e;
+  }
+  // The weight conversion as f16 arithmetic: s' = s·2^-k and c·s' are exact in f16 for every
+  // scale a tensor with rescale k can hold (6·s·2^-k <= 448), and one RNE of the f16 product is
+  // the definition's byte.
+  for (int k = -15; k <= 3; ++k) {
+    for (int sb = 0; sb <= 0x7E; ++sb) {
+      const float sp = std::ldexp(static_cast<float>(e4m3_value(sb)), -k);
+      if (6.0f * sp > 448.0f) continue;
+      ASSERT_EQ(f16_to_f32(f32_to_f16(sp)), sp) << "k " << k << " scale " << sb;
+      for (int c = 0; c < 16; ++c) {
+        const float prod = static_cast<float>(kE2m1[c]) * sp;
+        const float prod_f16 = f16_to_f32(f32_to_f16(prod));
+        ASSERT_EQ(prod_f16, prod) << "k " << k << " scale " << sb << " code " << c;
+        ASSERT_EQ(format::f32_to_e4m3(prod_f16),
+                  format::w4a8_weight_e4m3(static_cast<uint8_t>(c), static_cast<uint8_t>(sb), k))
+            << "k " << k << " scale " << sb << " code " << c;
+      }
+    }
+  }
+}
+
 TEST(W4a8Codec, WeightStatsCountEveryKind) {
   // One row, two blocks. Block 0 (scale 448, so k = 3): 6 and 1.5 are rounded (320, 80), 2, 1,
   // -0.5 exact, the rest zero. Block 1 (scale 2^-9): 6 and -6 land on the subnormal grid as
