@@ -3,7 +3,7 @@
 // the combine. Internal to src/reference.
 //
 // A precision plugs in as a `Numerics` object with four const members:
-//   load_hidden(span<const uint16_t> bf16 [nt, H], nt, vector<double>& x)   the L1 input
+//   load_hidden(span<const uint16_t> bf16 [tokens, H], vector<double>& x)   the L1 input
 //   gate_up(const Task&, const vector<double>& x)   fills unit->act for the task's rows of I
 //   finish_act(vector<Unit>&)                       runs once every act row is complete
 //   down(const Task&, vector<double>& y)            y rows (not yet weighted) of the task's rows
@@ -164,7 +164,7 @@ void run_forward(const MoeLayer& layer, std::span<const uint16_t> hidden_bf16, i
     const int64_t nt = std::min(chunk, tokens - t0);
 
     std::vector<double> x(nt * H);
-    numerics.load_hidden(hidden_bf16.subspan(t0 * H, nt * H), nt, x);
+    numerics.load_hidden(hidden_bf16.subspan(t0 * H, nt * H), x);
 
     // Group the chunk's (token, slot) pairs by expert, in ascending expert order.
     std::vector<std::vector<int64_t>> pairs_of(E);

@@ -20,16 +20,12 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <exception>
 #include <limits>
-#include <mutex>
 #include <optional>
 #include <span>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "megamoe/dtype.h"
@@ -202,7 +198,7 @@ void run_down(const Task& task, std::vector<double>& y, int64_t H) {
 // The W4A16 numerics (top of this file) for detail::run_forward.
 struct W4a16Numerics {
   const MoeLayer& layer;
-  void load_hidden(std::span<const uint16_t> hidden_bf16, int64_t, std::vector<double>& x) const {
+  void load_hidden(std::span<const uint16_t> hidden_bf16, std::vector<double>& x) const {
     for (size_t i = 0; i < hidden_bf16.size(); ++i) x[i] = bf16_to_f32(hidden_bf16[i]);
   }
   void gate_up(const Task& task, const std::vector<double>& x) const {

@@ -172,7 +172,7 @@ struct W4a8Numerics {
     return *routed[static_cast<size_t>(u.w - layer.experts.data())];
   }
 
-  void load_hidden(std::span<const uint16_t> hidden_bf16, int64_t, std::vector<double>& x) const {
+  void load_hidden(std::span<const uint16_t> hidden_bf16, std::vector<double>& x) const {
     for (size_t i = 0; i < hidden_bf16.size(); ++i) x[i] = bf16_to_f32(hidden_bf16[i]);
     quantize_dequantize(x.data(), static_cast<int64_t>(x.size()), x.data());
   }
