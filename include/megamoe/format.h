@@ -97,4 +97,57 @@ void dequantize_activation(std::span<const uint8_t> codes, std::span<const uint8
 void dequantize_mxfp4(std::span<const uint8_t> codes, std::span<const uint8_t> scales,
                       int64_t rows, int64_t cols, std::span<float> out);
 
+// ---- W4A8 (docs/w4a8.md, normative): e4m3 activations with one power-of-two scale per 128
+// elements along K, and NVFP4 weights converted to e4m3 as e2m1 * ue4m3 * 2^-k, one k per tensor.
+inline constexpr int kW4a8ActBlockSize = 128;   // activation elements per scale, along K
+inline constexpr int kW4a8MinActScaleExp = -126;  // the smallest activation scale is 2^-126
+
+enum class E4m3Overflow {
+  kSaturate,  // to +-448, as PTX cvt .satfinite
+  kNan,       // to NaN (0x7F with the sign), as PyTorch's .to(torch.float8_e4m3fn)
+};
+// Round-to-nearest-even of a double straight to e4m3 (one rounding: going through fp32 first
+// could round twice), subnormals included. Magnitudes above 464 (the midpoint between 448 and
+// the 480 that e4m3fn lacks) and infinities overflow as `overflow` says; 464 itself is a tie and
+// goes to 448 (even). NaN gives 0x7F. The sign is kept (tiny negatives give 0x80).
+uint8_t f64_to_e4m3(double x, E4m3Overflow overflow = E4m3Overflow::kSaturate);
+
+// The exponent e of the scale 2^e of an activation block whose largest magnitude is amax: the
+// smallest integer e >= -126 with amax <= 448 * 2^e (so amax = 0 gives -126). Exact: no
+// division, no rounding. Throws kInvalidArgument unless amax is finite and >= 0.
+int w4a8_act_scale_exponent(double amax);
+
+// Quantizes x [rows, cols] (cols % 128 == 0) per row and per 128 consecutive elements:
+// e = w4a8_act_scale_exponent(max |x|), code = f64_to_e4m3(x * 2^-e) (x * 2^-e is exact and at
+// most 448 in magnitude, so nothing saturates). x_hat = e4m3(code) * 2^e.
+// Outputs codes [rows, cols] and scale_exponents [rows, cols/128]. Throws kInvalidArgument on
+// bad shapes or a non-finite x.
+void quantize_activation_w4a8(std::span<const double> x, int64_t rows, int64_t cols,
+                              std::span<uint8_t> codes, std::span<int32_t> scale_exponents);
+
+// The weight rescale k of one NVFP4 tensor (per expert and projection): with S the largest of
+// its ue4m3 block scales, the smallest integer k with 6 * S * 2^-k <= 448 (k = 0 if every scale
+// is 0). Then no product e2m1 * ue4m3 * 2^-k exceeds 448. k runs from -15 (S = 2^-9) to 3
+// (S >= 320; ModelOpt's exporter always has S = 448).
+// Throws kInvalidArgument on a scale byte that is not a valid ue4m3 (names its index).
+int w4a8_weight_rescale_exponent(std::span<const uint8_t> block_scales);
+
+// One weight in the W4A8 MMA: e4m3 RNE of e2m1(code) * ue4m3(scale_byte) * 2^-k (the product is
+// exact; this is its one rounding; saturating, which a k from w4a8_weight_rescale_exponent never
+// needs).
+uint8_t w4a8_weight_e4m3(uint8_t e2m1_code, uint8_t scale_byte, int k);
+
+// What the e4m3 rounding of w4a8_weight_e4m3 does to one tensor's weights.
+struct W4a8WeightStats {
+  int rescale_exponent = 0;  // k
+  int64_t weights = 0;       // elements
+  int64_t nonzero = 0;       // elements with e2m1 * ue4m3 != 0
+  int64_t rounded = 0;       // moved by the rounding, result in e4m3's normal range (>= 2^-6)
+  int64_t subnormal = 0;     // moved, result a nonzero e4m3 subnormal (< 2^-6)
+  int64_t flushed = 0;       // nonzero product rounded to 0
+  int64_t moved() const { return rounded + subnormal + flushed; }
+};
+// Throws kInvalidArgument on bad shapes, null pointers or an invalid scale byte.
+W4a8WeightStats w4a8_weight_stats(const Nvfp4View& w);
+
 }  // namespace megamoe::format

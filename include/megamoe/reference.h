@@ -76,4 +76,21 @@ std::vector<float> moe_forward_f32(const MoeLayer& layer, std::span<const uint16
                                    int64_t tokens, const TopK& topk,
                                    const ForwardOptions& opt = {});
 
+// ---- W4A8 emulation (docs/w4a8.md) ---------------------------------------------------------
+// The exact CPU emulation of the W4A8 forward, the oracle of W4A8 kernels: hidden and the SwiGLU
+// output quantized to e4m3 with a power-of-two scale per 128 elements along K; each weight
+// e2m1·ue4m3 rounded to e4m3 after the exact rescale 2^-k of its (expert, projection), which is
+// folded back into the global scale; exact per-128 partial sums (double), summed in K order;
+// SwiGLU, clamp, routing weights, shared expert and combine as moe_forward. Options change speed
+// only. Same contract as moe_forward, and also throws kInvalidArgument where H, the routed or the
+// shared I is not a multiple of 128, hidden holds a non-finite value, or a SwiGLU output exceeds
+// fp32's range.
+std::vector<uint16_t> moe_forward_w4a8(const MoeLayer& layer,
+                                       std::span<const uint16_t> hidden_bf16, int64_t tokens,
+                                       const TopK& topk, const ForwardOptions& opt = {});
+// Same, as fp32 before the final bf16 rounding.
+std::vector<float> moe_forward_w4a8_f32(const MoeLayer& layer,
+                                        std::span<const uint16_t> hidden_bf16, int64_t tokens,
+                                        const TopK& topk, const ForwardOptions& opt = {});
+
 }  // namespace megamoe::reference
