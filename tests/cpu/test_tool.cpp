@@ -1044,9 +1044,10 @@ TEST_F(ToolQuantize, DequantizeBothLayoutsDropsInputScales) {
   }
 }
 
-// ModelOpt's fused groups: gate_proj/up_proj (experts, shared expert, dense MLP) and
-// q_proj/k_proj/v_proj of one module share the group's amax, hence one weight_scale_2; other
-// linears (down_proj, o_proj) keep their own; a member left out by --exclude is not in the group;
+// ModelOpt's fused groups: gate_proj/up_proj (experts, shared expert, dense MLP),
+// q_proj/k_proj/v_proj and DeepSeek's q_a_proj/kv_a_proj_with_mqa of one module share the
+// group's amax, hence one weight_scale_2; other linears (down_proj, o_proj, q_b_proj) keep their
+// own; a member left out by --exclude is not in the group;
 // an all-zero group gets the exporter's zero signature. Checked for both global-scale divisions.
 TEST_F(ToolQuantize, FusedGroupsShareOneGlobalScale) {
   using megamoe::format::ExportDevice;
@@ -1059,7 +1060,8 @@ TEST_F(ToolQuantize, FusedGroupsShareOneGlobalScale) {
       e0 + "gate_proj.weight", e0 + "up_proj.weight",   e0 + "down_proj.weight",
       sh + "gate_proj.weight", sh + "up_proj.weight",   at + "q_proj.weight",
       at + "k_proj.weight",    at + "v_proj.weight",    at + "o_proj.weight",
-      e1 + "gate_proj.weight", e1 + "up_proj.weight"};
+      e1 + "gate_proj.weight", e1 + "up_proj.weight",   at + "q_a_proj.weight",
+      at + "kv_a_proj_with_mqa.weight", at + "q_b_proj.weight"};
   std::vector<Owned> input;
   for (const std::string& name : names) {
     const bool zero = name.starts_with(e1);
@@ -1084,7 +1086,9 @@ TEST_F(ToolQuantize, FusedGroupsShareOneGlobalScale) {
       {sh + "gate_proj.weight"},
       {at + "q_proj.weight", at + "k_proj.weight", at + "v_proj.weight"},
       {at + "o_proj.weight"},
-      {e1 + "gate_proj.weight", e1 + "up_proj.weight"}};
+      {e1 + "gate_proj.weight", e1 + "up_proj.weight"},
+      {at + "q_a_proj.weight", at + "kv_a_proj_with_mqa.weight"},
+      {at + "q_b_proj.weight"}};
   // The data must make the grouping matter: members' own amax differ.
   ASSERT_NE(amax(groups[0][0]), amax(groups[0][1]));
 
@@ -1096,7 +1100,7 @@ TEST_F(ToolQuantize, FusedGroupsShareOneGlobalScale) {
     const ToolResult r =
         run_tool("quantize " + q(in_) + " " + q(out_) + " --exclude 'shared_experts\\.up'" + flag);
     ASSERT_EQ(r.code, 0) << r.output;
-    EXPECT_NE(r.output.find("10 tensors quantized to NVFP4 (7 of them in fused groups"),
+    EXPECT_NE(r.output.find("13 tensors quantized to NVFP4 (9 of them in fused groups"),
               std::string::npos) << r.output;
     EXPECT_NE(r.output.find(std::string("as exported on the ") +
                             megamoe::format::export_device_name(device)),

@@ -73,6 +73,9 @@ const std::vector<FusedGroupRule>& fused_group_rules() {
       {"gate_proj, up_proj", std::regex(R"(^(.*)\.(gate_proj|up_proj)\.weight$)")},
       // Attention: q, k and v read the same normalised hidden state.
       {"q_proj, k_proj, v_proj", std::regex(R"(^(.*)\.(q_proj|k_proj|v_proj)\.weight$)")},
+      // DeepSeek's multi-head latent attention: both down-projections read the hidden state.
+      {"q_a_proj, kv_a_proj_with_mqa",
+       std::regex(R"(^(.*)\.(q_a_proj|kv_a_proj_with_mqa)\.weight$)")},
   };
   return rules;
 }
@@ -266,7 +269,8 @@ Command add_quantize_command(CLI::App& parent) {
       "quantize",
       "Quantize every 2-D BF16/F16/F32 '*.weight' tensor whose last dimension is a multiple of 16 "
       "to ModelOpt NVFP4 (weight, weight_scale, weight_scale_2) as ModelOpt's exporter does: "
-      "gate_proj/up_proj and q_proj/k_proj/v_proj of one module share the group's global scale; "
+      "gate_proj/up_proj, q_proj/k_proj/v_proj and q_a_proj/kv_a_proj_with_mqa of one module "
+      "share the group's global scale; "
       "copy every other tensor.");
   app->add_option("input", args->input, "input .safetensors file")->required();
   app->add_option("output", args->output, "output .safetensors file")->required();
