@@ -80,11 +80,15 @@ ModelConfig load_model_config(const std::string& dir);
 // compressed-tensors (weight_packed, weight_scale, weight_global_scale = reciprocal) per tensor
 // names. Tensor bytes stay in the mapped files (no copy). Every error names the file, the
 // tensor and what is wrong: missing tensor, wrong dtype or shape, K not a multiple of 16,
-// NaN/negative/infinite scales, non-MoE layer.
+// NaN/negative/infinite scales, non-MoE layer. The one exception is ModelOpt's export of an
+// all-zero weight (format::is_modelopt_zero_weight: weight_scale_2 = 0, every block scale NaN,
+// every code 0x77): it loads, with a warning on stderr naming the tensor, as zero codes, zero
+// block scales and weight_scale_2 = 1 (the same zero weight, decodable).
 MoeLayer load_moe_layer(const Checkpoint& ckpt, const ModelConfig& config, int64_t layer);
 
 // Reads one NVFP4 linear `prefix`.{weight,weight_scale,weight_scale_2[,input_scale]} (or the
-// compressed-tensors names) with the expected shape [out, in].
+// compressed-tensors names) with the expected shape [out, in]; checked, and ModelOpt's all-zero
+// weight mapped, as load_moe_layer says.
 Nvfp4Linear load_nvfp4_linear(const Checkpoint& ckpt, const std::string& prefix,
                               int64_t out_features, int64_t in_features);
 

@@ -64,25 +64,67 @@ struct Nvfp4View {
   float global_scale = 1.0f;        // weight_scale_2
 };
 
+// Where ModelOpt's exporter ran, which changes its bytes in two places (DESIGN.md §2):
+//  - the global scale: PyTorch evaluates `amax / (6.0 * 448.0)` as a true division on the CPU
+//    but as amax * fl32(1/2688) on a CUDA tensor; the two are one fp32 ulp apart for about a
+//    fifth of amax values, which moves about 0.5% of the codes;
+//  - an all-zero weight (amax 0) gets NaN block scales, 0/0, whose sign bit is the platform's
+//    default NaN: set on x86 CPUs (byte 0xFF), clear on NVIDIA GPUs (byte 0x7F).
+// Published checkpoints are exported on GPUs: that is the default.
+enum class ExportDevice {
+  kGpu,  // s2 = fl32(amax * fl32(1/2688)); zero-weight scale byte 0x7F
+  kCpu,  // s2 = fl32(amax / 2688); zero-weight scale byte 0xFF (x86)
+};
+inline constexpr ExportDevice kDefaultExportDevice = ExportDevice::kGpu;
+const char* export_device_name(ExportDevice d);  // "gpu" / "cpu"
+
+// What ModelOpt's exporter writes for a weight whose amax is 0 (an all-zero weight, or a fused
+// group that is all zero): weight_scale_2 = 0, so every block ratio is 0/0 = NaN, which becomes
+// a NaN block scale (0x7F or 0xFF, by ExportDevice), and every element's quotient is NaN, which
+// _cast_fp4 turns into code 7 in both nibbles. The signature means "all-zero weight"; NaN and
+// negative scales are invalid everywhere else.
+inline constexpr uint8_t kZeroWeightScaleByteGpu = 0x7F;
+inline constexpr uint8_t kZeroWeightScaleByteCpu = 0xFF;
+inline constexpr uint8_t kZeroWeightCodeByte = 0x77;
+// True iff `w` is exactly that signature: global_scale is +0 or -0, every block scale byte is a
+// NaN (0x7F or 0xFF) and every code byte 0x77 (rows * cols > 0, pointers non-null).
+bool is_modelopt_zero_weight(const Nvfp4View& w);
+// For owned, writable bytes: where [rows, cols] codes/scales/global_scale are that signature,
+// rewrites them to zero codes, zero block scales and global scale 1 (the same all-zero weight,
+// decodable by anything that multiplies the three) and returns true; otherwise changes nothing.
+bool zero_weight_to_decodable(uint8_t* codes, uint8_t* scales, float& global_scale, int64_t rows,
+                              int64_t cols);
+
 // ModelOpt weight recipe (DESIGN.md §2), bit for bit:
-//   s2 = amax(|W|)/2688 (s2 = 1 if amax == 0); per block b = amax_block/(6*s2), 1.0 where the
-//   block is all zero, clamped to [2^-9, 448], rounded to e4m3 (RNE); code = e2m1_rne(x/(b*s2)).
-//   All fp32, in ModelOpt's evaluation order (format.cpp documents each step). The code's sign
-//   comes from x/(b*s2) < 0 as in ModelOpt, so a -0 weight gets 0x0 (f32_to_e2m1 gives 0x8).
+//   s2 = amax(|W|)/2688 (evaluated as on `device`); per block b = amax_block/(6*s2), 1.0 where
+//   the block is all zero, clamped to [2^-9, 448], rounded to e4m3 (RNE); code =
+//   e2m1_rne(x/(b*s2)). All fp32, in ModelOpt's evaluation order (format.cpp documents each
+//   step). The code's sign comes from x/(b*s2) < 0 as in ModelOpt, so a -0 weight gets 0x0
+//   (f32_to_e2m1 gives 0x8). A matrix whose amax is 0 gets weight_scale_2 = 0 and the
+//   zero-weight signature above, as the exporter writes it.
 // `w` is row-major [rows, cols] fp32 (callers widen bf16/f16 exactly first); cols % 16 == 0.
 // Outputs: codes [rows, cols/2], scales [rows, cols/16]. Returns weight_scale_2.
 // Throws megamoe::Error(kInvalidArgument) on non-finite input or bad shapes.
 float quantize_weight_modelopt(std::span<const float> w, int64_t rows, int64_t cols,
-                               std::span<uint8_t> codes, std::span<uint8_t> scales);
-// Same, with the global scale given (e.g. computed from amax over a tensor streamed in parts).
+                               std::span<uint8_t> codes, std::span<uint8_t> scales,
+                               ExportDevice device = kDefaultExportDevice);
+// Same, with the global scale given: computed from the amax of a tensor streamed in parts, or
+// of a fused group (gate and up share one). global_scale == 0 (an amax of 0) writes the
+// zero-weight signature of `device` and is only allowed when every element of `w` is zero.
 void quantize_weight_with_global_scale(std::span<const float> w, int64_t rows, int64_t cols,
                                        float global_scale, std::span<uint8_t> codes,
-                                       std::span<uint8_t> scales);
-// s2 = amax/2688, or 1 where amax == 0.
-float modelopt_global_scale(float amax);
+                                       std::span<uint8_t> scales,
+                                       ExportDevice device = kDefaultExportDevice);
+// s2 = amax/2688 as evaluated on `device` (0 where amax == 0, as the exporter writes it).
+float modelopt_global_scale(float amax, ExportDevice device = kDefaultExportDevice);
 
-// w[n,k] = e2m1(code) * ue4m3(scale) * global_scale, in fp32 (exact product, one rounding).
+// w[n,k] = e2m1(code) * ue4m3(scale) * global_scale, in fp32 (exact product, one rounding). The
+// zero-weight signature (is_modelopt_zero_weight) gives zeros.
 void dequantize(const Nvfp4View& w, std::span<float> out);
+// The same weights rounded once to bf16 (round to nearest even) from the exact product: going
+// through the fp32 product would round twice and land one bf16 ulp off where the fp32 value is
+// a bf16 tie. `out` holds bf16 bit patterns.
+void dequantize_to_bf16(const Nvfp4View& w, std::span<uint16_t> out);
 
 // Activation recipe (DESIGN.md §2): gs = 2688/amax (or the reciprocal of a static input_scale);
 // sf = e4m3_rne(gs*amax_block/6) saturating at 448; element = e2m1_rne(x*gs/sf) (0 where sf==0).

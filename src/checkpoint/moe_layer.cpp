@@ -90,7 +90,9 @@ void check_block_scales(const TensorRef& t, int64_t blocks_per_row) {
                  ", block ", block, " (elements ", block * format::kNvfp4BlockSize, " to ",
                  (block + 1) * format::kNvfp4BlockSize - 1, "), which is ",
                  nan ? std::string("NaN") : detail::concat("negative (", format::e4m3_to_f32(b), ")"),
-                 "; ue4m3 block scales must be finite and non-negative.");
+                 "; ue4m3 block scales must be finite and non-negative (NaN scales are valid "
+                 "only in ModelOpt's all-zero weight: weight_scale_2 = 0, every block scale "
+                 "NaN (0x7F or 0xFF), every code 0x77).");
   }
 }
 
@@ -159,6 +161,33 @@ Nvfp4Linear load_nvfp4_linear(const Checkpoint& ckpt, const std::string& prefix,
   expect_dtype(scale, {DType::F8_E4M3}, "ue4m3 block scales");
   const int64_t blocks = in_features / format::kNvfp4BlockSize;
   expect_shape(scale, {out_features, blocks}, "ue4m3 block scales, [out, in/16]");
+
+  if (modelopt) {
+    // ModelOpt's export of an all-zero weight (format::is_modelopt_zero_weight) is the one place
+    // where NaN scales (and a zero global scale) are valid. Its bytes cannot be decoded (NaN
+    // times 0), so the layer gets zero codes and zero block scales instead: the same all-zero
+    // weight in a form the reference and the kernels take as it is.
+    const TensorRef s2 = require(ckpt, prefix + ".weight_scale_2", "fp32 global scale");
+    const float global = read_f32_scalar(s2, "fp32 global scale");
+    if (format::is_modelopt_zero_weight(
+            {out_features, in_features, weight.bytes.data(), scale.bytes.data(), global})) {
+      std::fprintf(stderr,
+                   "megamoe: warning: '%s' in checkpoint '%s' is ModelOpt's all-zero weight "
+                   "(weight_scale_2 = 0, every block scale NaN, every code 0x77); it is loaded "
+                   "as zeros.\n",
+                   prefix.c_str(), ckpt.path().c_str());
+      float input_scale = 0.0f;
+      if (const auto in = ckpt.find(prefix + ".input_scale")) {
+        input_scale = read_f32_scalar(*in, "static input scale");
+        expect_positive_finite(input_scale, *in, "static input scale");
+      }
+      const int64_t codes = out_features * (in_features / 2);
+      return make_owned_linear(out_features, in_features,
+                               std::vector<uint8_t>(static_cast<size_t>(codes), 0),
+                               std::vector<uint8_t>(static_cast<size_t>(out_features * blocks), 0),
+                               1.0f, input_scale);
+    }
+  }
   check_block_scales(scale, blocks);
 
   Nvfp4Linear lin;
@@ -171,7 +200,10 @@ Nvfp4Linear load_nvfp4_linear(const Checkpoint& ckpt, const std::string& prefix,
   if (modelopt) {
     const TensorRef s2 = require(ckpt, prefix + ".weight_scale_2", "fp32 global scale");
     lin.weight_scale_2 = read_f32_scalar(s2, "fp32 global scale");
-    expect_positive_finite(lin.weight_scale_2, s2, "fp32 global scale");
+    MEGAMOE_CHECK(std::isfinite(lin.weight_scale_2) && lin.weight_scale_2 > 0.0f,
+                  kInvalidCheckpoint, describe(s2), " (fp32 global scale) is ",
+                  lin.weight_scale_2, "; it must be finite and > 0 (0 only in ModelOpt's "
+                  "all-zero weight: every block scale NaN, every code 0x77).");
     if (const auto in = ckpt.find(prefix + ".input_scale")) {
       lin.input_scale = read_f32_scalar(*in, "static input scale");
       expect_positive_finite(lin.input_scale, *in, "static input scale");

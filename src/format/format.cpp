@@ -149,8 +149,17 @@ void check_ue4m3_scales(const char* fn, const uint8_t* scales, int64_t n, int64_
 // undecodable) and ratios above 448 (only reachable with a caller-given global scale).
 // Inputs are known finite and shapes checked. No allocation: it is the hot loop of `quantize`.
 void quantize_blocks_modelopt(const float* w, int64_t rows, int64_t cols, float s2,
-                              uint8_t* codes, uint8_t* scales) {
+                              uint8_t* codes, uint8_t* scales, ExportDevice device) {
   const int64_t blocks = cols / kNvfp4BlockSize;
+  if (s2 == 0.0f) {
+    // amax == 0: the recipe's ratio is 0 / (6 * 0) = NaN for every block (so the "== 0 -> 1.0"
+    // step does not apply; the clamp keeps NaN), and every quotient x / (NaN * 0) is NaN. Written
+    // out, as the exporter writes it on `device` (format.h, ExportDevice).
+    std::fill(scales, scales + rows * blocks,
+              device == ExportDevice::kCpu ? kZeroWeightScaleByteCpu : kZeroWeightScaleByteGpu);
+    std::fill(codes, codes + rows * (cols / 2), kZeroWeightCodeByte);
+    return;
+  }
   const float six_s2 = 6.0f * s2;
   for (int64_t r = 0; r < rows; ++r) {
     const float* row = w + r * cols;
@@ -234,62 +243,147 @@ float ue8m0_to_f32(uint8_t code) {
   return std::ldexp(1.0f, static_cast<int>(code) - 127);  // exact: 2^-127 is an fp32 subnormal
 }
 
-float modelopt_global_scale(float amax) {
+const char* export_device_name(ExportDevice d) { return d == ExportDevice::kCpu ? "cpu" : "gpu"; }
+
+bool is_modelopt_zero_weight(const Nvfp4View& w) {
+  if (w.global_scale != 0.0f || w.rows <= 0 || w.cols <= 0 || w.codes == nullptr ||
+      w.scales == nullptr || w.cols % kNvfp4BlockSize != 0) {
+    return false;
+  }
+  const int64_t n_scales = w.rows * (w.cols / kNvfp4BlockSize);
+  const int64_t n_codes = w.rows * (w.cols / 2);
+  return std::all_of(w.scales, w.scales + n_scales,
+                     [](uint8_t b) { return (b & 0x7F) == 0x7F; }) &&
+         std::all_of(w.codes, w.codes + n_codes,
+                     [](uint8_t b) { return b == kZeroWeightCodeByte; });
+}
+
+bool zero_weight_to_decodable(uint8_t* codes, uint8_t* scales, float& global_scale, int64_t rows,
+                              int64_t cols) {
+  if (!is_modelopt_zero_weight({rows, cols, codes, scales, global_scale})) return false;
+  std::fill(codes, codes + rows * (cols / 2), uint8_t{0});
+  std::fill(scales, scales + rows * (cols / kNvfp4BlockSize), uint8_t{0});
+  global_scale = 1.0f;
+  return true;
+}
+
+float modelopt_global_scale(float amax, ExportDevice device) {
   MEGAMOE_CHECK(std::isfinite(amax) && amax >= 0.0f, kInvalidArgument,
                 "modelopt_global_scale: amax = ", amax,
                 " is not allowed; it must be a finite number >= 0.");
-  if (amax == 0.0f) return 1.0f;
-  // fp32 true division, as DESIGN.md specifies and as PyTorch's CPU kernel evaluates ModelOpt's
-  // `amax.float() / (6.0 * 448.0)`. Note: on a CUDA tensor PyTorch divides by a Python scalar as
-  // amax * fl32(1 / 2688), which is one ulp away from this for about a fifth of amax values.
-  return amax / kNvfp4GlobalDivisor;
+  // ModelOpt's `amax.float() / (6.0 * 448.0)`. PyTorch's CPU kernel divides; its CUDA kernel
+  // multiplies by the divisor's reciprocal, itself rounded to fp32 first. amax == 0 gives 0
+  // either way: the exporter writes it, and the blocks then get the zero-weight signature.
+  if (device == ExportDevice::kCpu) return amax / kNvfp4GlobalDivisor;
+  constexpr float kReciprocal = 1.0f / kNvfp4GlobalDivisor;  // fl32(1/2688), rounded once
+  return amax * kReciprocal;
 }
 
 float quantize_weight_modelopt(std::span<const float> w, int64_t rows, int64_t cols,
-                               std::span<uint8_t> codes, std::span<uint8_t> scales) {
+                               std::span<uint8_t> codes, std::span<uint8_t> scales,
+                               ExportDevice device) {
   static constexpr const char* kFn = "quantize_weight_modelopt";
   check_weight_args(kFn, w, rows, cols, codes, scales);
-  const float s2 = modelopt_global_scale(checked_amax(kFn, "w", w.data(), rows * cols, cols));
-  quantize_blocks_modelopt(w.data(), rows, cols, s2, codes.data(), scales.data());
+  const float s2 =
+      modelopt_global_scale(checked_amax(kFn, "w", w.data(), rows * cols, cols), device);
+  quantize_blocks_modelopt(w.data(), rows, cols, s2, codes.data(), scales.data(), device);
   return s2;
 }
 
 void quantize_weight_with_global_scale(std::span<const float> w, int64_t rows, int64_t cols,
                                        float global_scale, std::span<uint8_t> codes,
-                                       std::span<uint8_t> scales) {
+                                       std::span<uint8_t> scales, ExportDevice device) {
   static constexpr const char* kFn = "quantize_weight_with_global_scale";
   check_weight_args(kFn, w, rows, cols, codes, scales);
-  check_positive_finite(kFn, "global_scale", global_scale);
+  MEGAMOE_CHECK(std::isfinite(global_scale) && global_scale >= 0.0f, kInvalidArgument, kFn,
+                ": global_scale = ", global_scale,
+                " is not allowed; it must be a finite number > 0, or 0 for an all-zero weight.");
   // A separate validation pass, so that nothing is written when the input is rejected.
-  checked_amax(kFn, "w", w.data(), rows * cols, cols);
-  quantize_blocks_modelopt(w.data(), rows, cols, global_scale, codes.data(), scales.data());
+  const float amax = checked_amax(kFn, "w", w.data(), rows * cols, cols);
+  MEGAMOE_CHECK(global_scale > 0.0f || amax == 0.0f, kInvalidArgument, kFn,
+                ": global_scale = 0 stands for an all-zero weight (amax 0), but `w` holds a "
+                "value of magnitude ", amax, "; a weight with non-zero values needs a global "
+                "scale > 0.");
+  quantize_blocks_modelopt(w.data(), rows, cols, std::fabs(global_scale), codes.data(),
+                           scales.data(), device);
 }
 
-void dequantize(const Nvfp4View& w, std::span<float> out) {
-  static constexpr const char* kFn = "dequantize";
-  const int64_t n = checked_elements(kFn, w.rows, w.cols, kNvfp4BlockSize);
-  check_span_size(kFn, "out", out.size(), n, w.rows, w.cols, "rows * cols fp32 values");
-  if (n == 0) return;
-  MEGAMOE_CHECK(w.codes != nullptr && w.scales != nullptr, kInvalidArgument, kFn,
+namespace {
+
+// The checks both dequantize entry points share. Returns false (after zero-filling `out`) for
+// the zero-weight signature, true when the caller should decode.
+template <typename T>
+bool check_dequantize_args(const char* fn, const Nvfp4View& w, std::span<T> out,
+                           const char* out_layout) {
+  const int64_t n = checked_elements(fn, w.rows, w.cols, kNvfp4BlockSize);
+  check_span_size(fn, "out", out.size(), n, w.rows, w.cols, out_layout);
+  if (n == 0) return false;
+  MEGAMOE_CHECK(w.codes != nullptr && w.scales != nullptr, kInvalidArgument, fn,
                 ": the codes or scales pointer of a non-empty [", w.rows, ", ", w.cols,
                 "] weight is null.");
-  check_positive_finite(kFn, "global_scale (weight_scale_2)", w.global_scale);
+  if (is_modelopt_zero_weight(w)) {
+    std::fill(out.begin(), out.end(), T{0});
+    return false;
+  }
+  check_positive_finite(fn, "global_scale (weight_scale_2)", w.global_scale);
   const int64_t blocks = w.cols / kNvfp4BlockSize;
-  check_ue4m3_scales(kFn, w.scales, w.rows * blocks, blocks);
+  check_ue4m3_scales(fn, w.scales, w.rows * blocks, blocks);
+  return true;
+}
+
+// Calls emit(index, m) for every element, m = e2m1 * ue4m3: at most 2 + 4 significant bits,
+// exact in fp32. The global scale is the caller's one rounding.
+template <typename Emit>
+void decode_unscaled(const Nvfp4View& w, Emit&& emit) {
+  const int64_t blocks = w.cols / kNvfp4BlockSize;
   for (int64_t r = 0; r < w.rows; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
       const float scale = kE4m3Values[w.scales[r * blocks + b]];
       const uint8_t* in = w.codes + r * (w.cols / 2) + b * (kNvfp4BlockSize / 2);
-      float* o = out.data() + r * w.cols + b * kNvfp4BlockSize;
-      // e2m1 * ue4m3 has at most 2 + 4 significant bits: exact in fp32. The one rounding is
-      // the multiply by the global scale.
+      const int64_t o = r * w.cols + b * kNvfp4BlockSize;
       for (int j = 0; j < kNvfp4BlockSize / 2; ++j) {
-        o[2 * j] = (kE2m1Values[in[j] & 0xF] * scale) * w.global_scale;
-        o[2 * j + 1] = (kE2m1Values[in[j] >> 4] * scale) * w.global_scale;
+        emit(o + 2 * j, kE2m1Values[in[j] & 0xF] * scale);
+        emit(o + 2 * j + 1, kE2m1Values[in[j] >> 4] * scale);
       }
     }
   }
 }
+
+// bf16 RNE of the exact product m * s2. The fp32 product f = fl32(m * s2) rounds once; rounding
+// f again to bf16 is correct except where f lands exactly on a bf16 midpoint (low 16 bits
+// 0x8000) that the exact product is not on: every bf16 midpoint is an fp32 number and rounding
+// is monotone, so f can reach a midpoint but never cross one. There the double product, exact
+// (6 + 24 significant bits), says which side the true value lies on. Infinity and fp32
+// subnormals need nothing more: a product that overflows fp32 also overflows bf16, and bf16
+// midpoints below the normal range are still fp32 numbers.
+inline uint16_t product_to_bf16(float m, float s2) {
+  const float f = m * s2;
+  const uint32_t u = f32_bits(f);
+  if ((u & 0xFFFFu) != 0x8000u) return f32_to_bf16(f);
+  const double exact = static_cast<double>(m) * static_cast<double>(s2);
+  const double fd = static_cast<double>(f);
+  const uint16_t down = static_cast<uint16_t>(u >> 16);  // truncation: toward zero
+  if (std::fabs(exact) > std::fabs(fd)) return static_cast<uint16_t>(down + 1);
+  if (std::fabs(exact) < std::fabs(fd)) return down;
+  return f32_to_bf16(f);  // a true tie: to even
+}
+
+}  // namespace
+
+void dequantize(const Nvfp4View& w, std::span<float> out) {
+  if (!check_dequantize_args("dequantize", w, out, "rows * cols fp32 values")) return;
+  float* o = out.data();
+  const float s2 = w.global_scale;
+  decode_unscaled(w, [&](int64_t i, float m) { o[i] = m * s2; });
+}
+
+void dequantize_to_bf16(const Nvfp4View& w, std::span<uint16_t> out) {
+  if (!check_dequantize_args("dequantize_to_bf16", w, out, "rows * cols bf16 values")) return;
+  uint16_t* o = out.data();
+  const float s2 = w.global_scale;
+  decode_unscaled(w, [&](int64_t i, float m) { o[i] = product_to_bf16(m, s2); });
+}
+
 
 void quantize_activation(std::span<const float> x, int64_t rows, int64_t cols, float gs,
                          std::span<uint8_t> codes, std::span<uint8_t> scales) {

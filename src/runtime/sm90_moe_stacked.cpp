@@ -115,6 +115,32 @@ MoeDeviceWeights MoeDeviceWeights::from_stacked(const StackedNvfp4Weights& w, cu
   }
   check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize(stacked weights to host)");
 
+  // ModelOpt's all-zero weight (global scale 0, NaN scales, codes 0x77) becomes zeros, as the
+  // checkpoint loader maps it; every other NaN scale is refused below.
+  auto zero_weight = [&](std::vector<uint8_t>& codes, std::vector<uint8_t>& scales, float& s2,
+                         int64_t row0, int64_t rows, int64_t k, const std::string& what) {
+    if (format::zero_weight_to_decodable(codes.data() + row0 * (k / 2),
+                                         scales.data() + row0 * (k / kBlock), s2, rows, k)) {
+      std::fprintf(stderr, "megamoe: warning: %s is ModelOpt's all-zero weight; it is loaded as "
+                   "zeros.\n", what.c_str());
+    }
+  };
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string ex = " of expert " + std::to_string(e);
+    zero_weight(host->w13, host->w13_scale, host->w13_scale_2[2 * e], 2 * e * I, I, H, "gate" + ex);
+    zero_weight(host->w13, host->w13_scale, host->w13_scale_2[2 * e + 1], (2 * e + 1) * I, I, H,
+                "up" + ex);
+    zero_weight(host->w2, host->w2_scale, host->w2_scale_2[e], e * H, H, I, "down" + ex);
+  }
+  if (Is > 0) {
+    zero_weight(host->shared_w13, host->shared_w13_scale, host->shared_w13_scale_2[0], 0, Is, H,
+                "the shared gate");
+    zero_weight(host->shared_w13, host->shared_w13_scale, host->shared_w13_scale_2[1], Is, Is, H,
+                "the shared up");
+    zero_weight(host->shared_w2, host->shared_w2_scale, host->shared_w2_scale_2[0], 0, H, Is,
+                "the shared down");
+  }
+
   check_block_scales(host->w13_scale, {E, 2 * I, H / kBlock}, "w13_scale");
   check_block_scales(host->w2_scale, {E, H, I / kBlock}, "w2_scale");
   for (int64_t e = 0; e < E; ++e) {

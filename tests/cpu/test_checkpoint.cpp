@@ -1054,6 +1054,73 @@ TEST_F(LoadMoeLayer, RejectsNaNAndNegativeScaleBytesWithPosition) {
                        "0xB8", "row 0, block 0", "negative (-1)");
 }
 
+// ModelOpt's export of an all-zero weight: weight_scale_2 = 0, NaN block scales (0x7F from a GPU
+// export, 0xFF from a CPU one), codes 0x77.
+// It loads (with a warning naming it) as zero codes and zero scales with weight_scale_2 = 1, the
+// rest of the layer untouched; anything short of the exact signature is still refused.
+TEST_F(LoadMoeLayer, ModelOptZeroWeightSignatureLoadsAsZeros) {
+  const LayerData d = random_layer(*rng_, 2 * kI);
+  const std::string p = kMlp + ".experts.2.gate_proj";  // [16, 32]
+  auto with_signature = [&](uint8_t code, uint8_t scale, float s2, uint8_t nan = 0xFF) {
+    TensorMap m = layer_tensors(d, Layout::kModelOpt);
+    std::fill(m[p + ".weight"].bytes.begin(), m[p + ".weight"].bytes.end(), uint8_t{0x77});
+    std::fill(m[p + ".weight_scale"].bytes.begin(), m[p + ".weight_scale"].bytes.end(), nan);
+    m[p + ".weight"].bytes[7] = code;
+    m[p + ".weight_scale"].bytes[3] = scale;
+    m[p + ".weight_scale_2"] = f32_tensor({s2}, {});
+    return m;
+  };
+  // The GPU's NaN is accepted the same way.
+  testing::internal::CaptureStderr();
+  const MoeLayer gpu = load(write_checkpoint("zero_gpu", with_signature(0x77, 0x7F, 0.0f, 0x7F),
+                                             deepseek_config()));
+  EXPECT_EQ(gpu.experts[2].gate.weight_scale_2, 1.0f);
+  EXPECT_EQ(gpu.experts[2].gate.weight_scale[0], 0x00);
+  const std::string dir = write_checkpoint("zero", with_signature(0x77, 0xFF, 0.0f),
+                                           deepseek_config());
+  const MoeLayer layer = load(dir);
+  const std::string err = testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("warning: '" + p + "'"), std::string::npos) << err;
+  EXPECT_NE(err.find("all-zero weight"), std::string::npos) << err;
+  const Nvfp4Linear& z = layer.experts[2].gate;
+  EXPECT_EQ(z.out_features, kI);
+  EXPECT_EQ(z.in_features, kH);
+  EXPECT_EQ(z.weight_scale_2, 1.0f);
+  EXPECT_EQ(z.input_scale, d.experts[2][0].input_scale);
+  EXPECT_TRUE(std::all_of(z.weight, z.weight + kI * kH / 2, [](uint8_t b) { return b == 0; }));
+  EXPECT_TRUE(std::all_of(z.weight_scale, z.weight_scale + kI * kH / 16,
+                          [](uint8_t b) { return b == 0; }));
+  std::vector<float> w(kI * kH, 1.0f);
+  megamoe::format::dequantize(z.view(), w);
+  EXPECT_TRUE(std::all_of(w.begin(), w.end(), [](float v) { return v == 0.0f; }));
+  // Everything else is as in the file.
+  expect_linear(layer.experts[2].up, d.experts[2][1], Layout::kModelOpt, "expert 2 up");
+  expect_linear(layer.experts[1].gate, d.experts[1][0], Layout::kModelOpt, "expert 1 gate");
+
+  // One byte off, or a global scale that is not 0: the NaN scales are invalid again.
+  EXPECT_MEGAMOE_ERROR(load(write_checkpoint("z1", with_signature(0x76, 0xFF, 0.0f),
+                                             deepseek_config())),
+                       kInvalidCheckpoint, "'" + p + ".weight_scale'", "0xFF", "NaN",
+                       "only in ModelOpt's all-zero weight");
+  EXPECT_MEGAMOE_ERROR(load(write_checkpoint("z2", with_signature(0x77, 0x38, 0.0f),
+                                             deepseek_config())),
+                       kInvalidCheckpoint, "'" + p + ".weight_scale'", "0xFF", "NaN");
+  EXPECT_MEGAMOE_ERROR(load(write_checkpoint("z3", with_signature(0x77, 0xFF, 1e-30f),
+                                             deepseek_config())),
+                       kInvalidCheckpoint, "'" + p + ".weight_scale'", "0xFF", "NaN");
+  EXPECT_MEGAMOE_ERROR(load(write_checkpoint("z4", with_signature(0x77, 0x38, 0.0f, 0x38),
+                                             deepseek_config())),
+                       kInvalidCheckpoint, "'" + p + ".weight_scale_2'", "is 0;");
+  // compressed-tensors has no such signature: NaN scales there are refused.
+  TensorMap ct = layer_tensors(d, Layout::kCompressedTensors);
+  std::fill(ct[p + ".weight_scale"].bytes.begin(), ct[p + ".weight_scale"].bytes.end(),
+            uint8_t{0xFF});
+  std::fill(ct[p + ".weight_packed"].bytes.begin(), ct[p + ".weight_packed"].bytes.end(),
+            uint8_t{0x77});
+  EXPECT_MEGAMOE_ERROR(load(write_checkpoint("z5", ct, deepseek_config())), kInvalidCheckpoint,
+                       "'" + p + ".weight_scale'", "NaN");
+}
+
 TEST_F(LoadMoeLayer, RejectsBadGlobalScales) {
   const LayerData d = random_layer(*rng_, 2 * kI);
   const std::string p = kMlp + ".experts.2.down_proj";

@@ -16,6 +16,7 @@
 
 #include "megamoe/dtype.h"
 #include "megamoe/format.h"
+#include "megamoe/reference.h"
 #include "megamoe/status.h"
 
 namespace megamoe::format {
@@ -300,17 +301,55 @@ TEST(Ue8m0, All256BytesDecodeToPowersOfTwo) {
 
 // ---- ModelOpt weight recipe -------------------------------------------------------------------
 
-TEST(ModeloptGlobalScale, IsAmaxOver2688InFp32) {
-  EXPECT_EQ(modelopt_global_scale(2688.0f), 1.0f);
-  EXPECT_EQ(modelopt_global_scale(0.0f), 1.0f);
-  EXPECT_EQ(modelopt_global_scale(1.0f), 1.0f / 2688.0f);
-  EXPECT_EQ(modelopt_global_scale(5376.0f), 2.0f);
-  // The correctly rounded fp32 quotient 1.03125 / 2688 (PyTorch's CPU division). The product
-  // 1.03125 * fl32(1 / 2688) is one ulp larger, 0x1.924926p-12.
-  EXPECT_EQ(modelopt_global_scale(1.03125f), 0x1.924924p-12f);
-  for (float bad : {-1.0f, -0.5f, kNan, kInf}) {
-    expect_error([&] { modelopt_global_scale(bad); }, ErrorCode::kInvalidArgument, "amax");
+constexpr ExportDevice kCpu = ExportDevice::kCpu;
+constexpr ExportDevice kGpu = ExportDevice::kGpu;
+
+TEST(ModeloptGlobalScale, BothDivisionsByHand) {
+  for (ExportDevice d : {kCpu, kGpu}) {
+    EXPECT_EQ(modelopt_global_scale(0.0f, d), 0.0f);  // what the exporter writes for amax 0
+    for (float bad : {-1.0f, -0.5f, kNan, kInf}) {
+      expect_error([&] { modelopt_global_scale(bad, d); }, ErrorCode::kInvalidArgument, "amax");
+    }
   }
+  EXPECT_EQ(modelopt_global_scale(2688.0f, kCpu), 1.0f);
+  EXPECT_EQ(modelopt_global_scale(5376.0f, kCpu), 2.0f);
+  // fl32(1/2688) = 0x1.861862p-12 (1/2688 = 0x1.86186186...p-12 rounds down).
+  EXPECT_EQ(modelopt_global_scale(1.0f, kGpu), 0x1.861862p-12f);
+  EXPECT_EQ(modelopt_global_scale(1.0f, kCpu), 0x1.861862p-12f);
+  EXPECT_EQ(modelopt_global_scale(2688.0f, kGpu), 1.0f);  // 2688 * fl32(1/2688) rounds back to 1
+  // The correctly rounded quotient 1.03125 / 2688 is 0x1.924924p-12 (PyTorch's CPU division);
+  // the product 1.03125 * fl32(1/2688) is one ulp larger (PyTorch's CUDA kernel).
+  EXPECT_EQ(modelopt_global_scale(1.03125f, kCpu), 0x1.924924p-12f);
+  EXPECT_EQ(modelopt_global_scale(1.03125f, kGpu), 0x1.924926p-12f);
+  // The default is the GPU form, where published checkpoints come from.
+  EXPECT_EQ(modelopt_global_scale(1.03125f), 0x1.924926p-12f);
+  EXPECT_STREQ(export_device_name(kGpu), "gpu");
+  EXPECT_STREQ(export_device_name(kCpu), "cpu");
+}
+
+// Over every positive finite bf16 value (the amax of a bf16 weight is one): the CPU form is the
+// correctly rounded quotient and the GPU form the correctly rounded product with fl32(1/2688),
+// both computed here in double (exact enough: double then fp32 rounding is correct for one
+// operation on fp32 inputs, since 53 >= 2 * 24 + 2). The two are at most one ulp apart and do
+// differ, on about a fifth of the values.
+TEST(ModeloptGlobalScale, EveryBf16AmaxBothDivisions) {
+  const double reciprocal = static_cast<double>(static_cast<float>(1.0 / 2688.0));
+  int differ = 0, total = 0;
+  for (uint32_t h = 0x0001; h < 0x7F80; ++h) {
+    const float amax = bf16_to_f32(static_cast<uint16_t>(h));
+    const float cpu = modelopt_global_scale(amax, kCpu);
+    const float gpu = modelopt_global_scale(amax, kGpu);
+    ASSERT_EQ(cpu, static_cast<float>(static_cast<double>(amax) / 2688.0)) << amax;
+    ASSERT_EQ(gpu, static_cast<float>(static_cast<double>(amax) * reciprocal)) << amax;
+    if (cpu == 0.0f) continue;  // underflow: both forms give 0 or the same subnormal
+    ++total;
+    if (cpu != gpu) {
+      ++differ;
+      ASSERT_EQ(std::fabs(std::nextafter(cpu, gpu) - gpu), 0.0f) << "more than one ulp: " << amax;
+    }
+  }
+  EXPECT_GT(differ, total / 10) << differ << " of " << total;
+  EXPECT_LT(differ, total / 3) << differ << " of " << total;
 }
 
 // A 2 x 32 matrix (four blocks) worked out by hand. amax = 2688, so s2 = 2688 / 2688 = 1 and
@@ -351,8 +390,9 @@ TEST(ModeloptWeight, HandComputedExample) {
       0x91, 0x10, 0x82, 0x10, 0x91, 0x01, 0x18, 0x82};  // row 1 block 1
   const std::vector<uint8_t> want_scales = {0x7E, 0x39, 0x38, 0x01};
 
+  // amax 2688: s2 = 1 exactly (both forms; the cases below were worked out with the division).
   std::vector<uint8_t> codes(32), scales(4);
-  const float s2 = quantize_weight_modelopt(w, 2, 32, codes, scales);
+  const float s2 = quantize_weight_modelopt(w, 2, 32, codes, scales, kCpu);
   EXPECT_EQ(s2, 1.0f);
   EXPECT_EQ(scales, want_scales);
   for (int i = 0; i < 32; ++i) EXPECT_EQ(codes[i], want_codes[i]) << "byte " << i;
@@ -423,7 +463,7 @@ TEST(ModeloptWeight, Fp32EvaluationOrderIsModelOpts) {
     w[0] = c.amax;
     w[16] = c.y;
     std::vector<uint8_t> codes(16), scales(2);
-    quantize_weight_modelopt(w, 1, 32, codes, scales);
+    quantize_weight_modelopt(w, 1, 32, codes, scales, kCpu);  // s2 by the exact division
     EXPECT_EQ(scales[0], 0x7E);
     EXPECT_EQ(scales[1], c.scale) << "amax " << c.amax << " y " << c.y;
   }
@@ -449,7 +489,7 @@ TEST(ModeloptWeight, Fp32EvaluationOrderIsModelOpts) {
     w[17] = c.x;
     w[18] = -c.x;
     std::vector<uint8_t> codes(16), scales(2);
-    quantize_weight_modelopt(w, 1, 32, codes, scales);
+    quantize_weight_modelopt(w, 1, 32, codes, scales, kCpu);  // s2 by the exact division
     EXPECT_EQ(scales[1], c.scale) << "amax " << c.amax;
     EXPECT_EQ(codes[8], c.byte8) << "amax " << c.amax;
     EXPECT_EQ(codes[9], c.byte9) << "amax " << c.amax;
@@ -534,10 +574,12 @@ TEST(ModeloptWeight, RandomMatricesSatisfyTheRecipe) {
     for (bool as_bf16 : {true, false}) {
       const RandomWeights r = make_random_weights(rng, shape[0], shape[1], as_bf16);
       std::vector<uint8_t> codes(r.w.size() / 2), scales(r.w.size() / 16);
-      const float s2 = quantize_weight_modelopt(r.w, r.rows, r.cols, codes, scales);
+      const ExportDevice device = as_bf16 ? kGpu : kCpu;
+      const float s2 = quantize_weight_modelopt(r.w, r.rows, r.cols, codes, scales, device);
       float amax = 0.0f;
       for (float v : r.w) amax = std::max(amax, std::fabs(v));
-      ASSERT_EQ(s2, amax == 0.0f ? 1.0f : amax / 2688.0f);
+      ASSERT_GT(amax, 0.0f);
+      ASSERT_EQ(s2, device == kCpu ? amax / 2688.0f : amax * (1.0f / 2688.0f));
       check_recipe_properties(r, s2, codes, scales, &clamped_low, &subnormal_scales,
                               &zero_blocks);
       if (HasFatalFailure()) return;
@@ -574,15 +616,87 @@ TEST(ModeloptWeight, GivenGlobalScaleMatchesTheRecipeOnRandomData) {
   EXPECT_NE(std::find(scales.begin(), scales.end(), 0x7E), scales.end());
 }
 
-TEST(ModeloptWeight, AllZeroTensorGetsUnitScales) {
-  std::vector<float> w(2 * 32, 0.0f);
-  w[5] = -0.0f;
-  std::vector<uint8_t> codes(32, 0xAA), scales(4, 0xAA);
-  EXPECT_EQ(quantize_weight_modelopt(w, 2, 32, codes, scales), 1.0f);
-  for (uint8_t s : scales) EXPECT_EQ(s, 0x38);
-  for (uint8_t c : codes) EXPECT_EQ(c, 0x00);
+// amax 0: s2 = 0, every block ratio 0/0 = NaN (scale 0x7F from a GPU, whose default NaN is
+// positive, 0xFF from an x86 CPU), every quotient NaN (code 7 in each nibble): the bytes ModelOpt's
+// exporter writes.
+TEST(ModeloptWeight, AllZeroTensorGetsTheExportersZeroSignature) {
+  for (ExportDevice d : {kCpu, kGpu}) {
+    SCOPED_TRACE(export_device_name(d));
+    std::vector<float> w(2 * 32, 0.0f);
+    w[5] = -0.0f;
+    std::vector<uint8_t> codes(32, 0xAA), scales(4, 0xAA);
+    EXPECT_EQ(quantize_weight_modelopt(w, 2, 32, codes, scales, d), 0.0f);
+    for (uint8_t s : scales) EXPECT_EQ(s, d == kCpu ? 0xFF : 0x7F);
+    for (uint8_t c : codes) EXPECT_EQ(c, 0x77);
+    EXPECT_TRUE(is_modelopt_zero_weight({2, 32, codes.data(), scales.data(), 0.0f}));
+    // The same through the given-global-scale entry point, and back to zeros.
+    std::vector<uint8_t> codes2(32), scales2(4);
+    quantize_weight_with_global_scale(w, 2, 32, 0.0f, codes2, scales2, d);
+    EXPECT_EQ(codes2, codes);
+    EXPECT_EQ(scales2, scales);
+    std::vector<float> back(64, 1.0f);
+    dequantize({2, 32, codes.data(), scales.data(), 0.0f}, back);
+    for (float v : back) EXPECT_EQ(v, 0.0f);
+    std::vector<uint16_t> back16(64, 0x3F80);
+    dequantize_to_bf16({2, 32, codes.data(), scales.data(), 0.0f}, back16);
+    for (uint16_t v : back16) EXPECT_EQ(v, 0x0000);
+  }
   // An empty matrix is valid and writes nothing.
-  EXPECT_EQ(quantize_weight_modelopt({}, 0, 16, {}, {}), 1.0f);
+  EXPECT_EQ(quantize_weight_modelopt({}, 0, 16, {}, {}), 0.0f);
+  // A zero global scale stands for amax 0 only.
+  std::vector<float> w(16, 0.0f);
+  w[3] = 0.5f;
+  std::vector<uint8_t> codes(8), scales(1);
+  expect_error([&] { quantize_weight_with_global_scale(w, 1, 16, 0.0f, codes, scales); },
+               ErrorCode::kInvalidArgument, "all-zero");
+}
+
+// Only the exact signature is the zero weight: any other byte, or a non-zero global scale, and
+// the NaN scales are invalid again.
+TEST(ModeloptWeight, ZeroSignatureIsExact) {
+  std::vector<uint8_t> codes(16, 0x77), scales = {0xFF, 0x7F};  // either NaN
+  const Nvfp4View sig{2, 16, codes.data(), scales.data(), 0.0f};
+  EXPECT_TRUE(is_modelopt_zero_weight(sig));
+  EXPECT_TRUE(is_modelopt_zero_weight({2, 16, codes.data(), scales.data(), -0.0f}));
+  EXPECT_FALSE(is_modelopt_zero_weight({2, 16, codes.data(), scales.data(), 1e-30f}));
+  EXPECT_FALSE(is_modelopt_zero_weight({2, 16, codes.data(), scales.data(), kNan}));
+  EXPECT_FALSE(is_modelopt_zero_weight({0, 16, codes.data(), scales.data(), 0.0f}));
+  EXPECT_FALSE(is_modelopt_zero_weight({2, 16, nullptr, scales.data(), 0.0f}));
+  std::vector<float> out(32);
+  for (size_t i = 0; i < codes.size(); ++i) {
+    for (uint8_t other : {0x00, 0x76, 0xF7, 0x7F}) {
+      codes[i] = other;
+      EXPECT_FALSE(is_modelopt_zero_weight(sig)) << "code byte " << i << " = " << hex(other);
+      expect_error([&] { dequantize(sig, out); }, ErrorCode::kInvalidArgument, "global_scale");
+    }
+    codes[i] = 0x77;
+  }
+  for (size_t i = 0; i < scales.size(); ++i) {
+    const uint8_t was = scales[i];
+    for (uint8_t other : {0x00, 0x38, 0xFE, 0x7E, 0x80}) {
+      scales[i] = other;
+      EXPECT_FALSE(is_modelopt_zero_weight(sig)) << "scale byte " << i << " = " << hex(other);
+    }
+    scales[i] = was;
+  }
+  // NaN scales with a real global scale: rejected, naming the block.
+  expect_error([&] { dequantize({2, 16, codes.data(), scales.data(), 1.0f}, out); },
+               ErrorCode::kInvalidArgument, "row 0, block 0");
+
+  // The in-place rewrite: only the exact signature changes, to zeros with global scale 1.
+  float g = 0.0f;
+  ASSERT_TRUE(is_modelopt_zero_weight(sig));
+  EXPECT_TRUE(zero_weight_to_decodable(codes.data(), scales.data(), g, 2, 16));
+  EXPECT_EQ(codes, std::vector<uint8_t>(16, 0x00));
+  EXPECT_EQ(scales, std::vector<uint8_t>(2, 0x00));
+  EXPECT_EQ(g, 1.0f);
+  std::vector<uint8_t> near_codes(16, 0x77), near_scales(2, 0xFF);
+  near_codes[15] = 0x07;
+  g = 0.0f;
+  EXPECT_FALSE(zero_weight_to_decodable(near_codes.data(), near_scales.data(), g, 2, 16));
+  EXPECT_EQ(near_scales, std::vector<uint8_t>(2, 0xFF));
+  EXPECT_EQ(near_codes[0], 0x77);
+  EXPECT_EQ(g, 0.0f);
 }
 
 TEST(ModeloptWeight, RejectsNonFiniteWeightsNamingTheElement) {
@@ -667,6 +781,78 @@ TEST(Dequantize, RejectsInvalidScalesAndArguments) {
                    std::span<float>(out.data(), 31));
       },
       ErrorCode::kInvalidArgument, "`out`");
+}
+
+// dequantize_to_bf16 against the correctly rounded value of the exact product, computed by the
+// reference's double-to-bf16 rounding: every code with every valid scale byte, over global scales
+// that put products in the normal and subnormal bf16 ranges and past its largest value. The set
+// holds cases where rounding the fp32 product again lands one ulp off, so a double rounding
+// would fail here.
+TEST(Dequantize, ToBf16RoundsOnceFromTheExactProduct) {
+  const uint32_t seed = fresh_seed();
+  SCOPED_TRACE("seed = " + std::to_string(seed));
+  std::mt19937 rng(seed);
+  std::vector<float> globals = {1.0f, 0x1.924926p-12f, 0x1.000102p0f, 0x1.7fffffp-3f,
+                                std::ldexp(1.0f, -130), std::ldexp(0x1.555556p0f, -140),
+                                FLT_MAX / 2048.0f, FLT_MAX};
+  std::uniform_int_distribution<uint32_t> mantissa(0, (1u << 23) - 1);
+  std::uniform_int_distribution<int> exponent(-140, 100);
+  for (int i = 0; i < 200; ++i) {
+    globals.push_back(std::ldexp(1.0f + std::ldexp(static_cast<float>(mantissa(rng)), -23),
+                                 exponent(rng)));
+  }
+  // Random s2 hit a bf16 midpoint with the fp32 product too rarely (the products m have only 16
+  // distinct mantissas), so aim at them: s2 near M / m for a midpoint M and an odd mantissa m
+  // (e2m1 1.5 times a ue4m3 mantissa), and its fp32 neighbours.
+  std::uniform_int_distribution<int> bf16_mantissa(0, 127), scale_mantissa(0, 7);
+  for (int i = 0; i < 200; ++i) {
+    const double midpoint = 1.0 + (bf16_mantissa(rng) + 0.5) / 128.0;
+    const double m = 1.5 * (1.0 + scale_mantissa(rng) / 8.0);
+    const float s2 = std::ldexp(static_cast<float>(midpoint / m), exponent(rng));
+    globals.push_back(s2);
+    globals.push_back(std::nextafter(s2, 0.0f));
+    globals.push_back(std::nextafter(s2, FLT_MAX));
+  }
+  // A [256, 32] matrix whose row r holds code byte r (so every pair of codes) in every position;
+  // its block scales cycle through the 254 valid bytes, shifted by one on each pass.
+  const int64_t rows = 256, cols = 32;
+  std::vector<uint8_t> codes(rows * cols / 2), scales(rows * cols / 16);
+  std::vector<uint8_t> valid;
+  for (int b = 0; b < 256; ++b) {
+    if (ue4m3_is_valid(static_cast<uint8_t>(b))) valid.push_back(static_cast<uint8_t>(b));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    std::fill(codes.begin() + r * cols / 2, codes.begin() + (r + 1) * cols / 2,
+              static_cast<uint8_t>(r));
+  }
+  std::vector<uint16_t> out(rows * cols);
+  int64_t double_rounding_cases = 0, checked = 0;
+  for (size_t pass = 0; pass < globals.size(); ++pass) {
+    const size_t offset = pass % valid.size();
+    for (size_t i = 0; i < scales.size(); ++i) scales[i] = valid[(i + offset) % valid.size()];
+    const float s2 = globals[pass];
+    dequantize_to_bf16({rows, cols, codes.data(), scales.data(), s2}, out);
+    for (int64_t idx = 0; idx < rows * cols; ++idx) {
+      const double m = static_cast<double>(e2m1_to_f32(e2m1_code_at(codes.data(), idx))) *
+                       e4m3_reference(scales[idx / 16]);
+      const uint16_t want = reference::f64_to_bf16(m * static_cast<double>(s2));
+      ASSERT_EQ(out[idx], want) << "element " << idx << ", m " << m << ", s2 " << s2;
+      double_rounding_cases +=
+          f32_to_bf16(static_cast<float>(m) * s2) != want;  // what a double rounding gives
+      ++checked;
+    }
+  }
+  EXPECT_GT(double_rounding_cases, 0) << "the data has no case a double rounding gets wrong, so "
+                                         "the test could not tell the two apart (" << checked
+                                      << " elements)";
+  // Its fp32 counterpart: one rounding to fp32 of the same product.
+  std::vector<float> out32(rows * cols);
+  dequantize({rows, cols, codes.data(), scales.data(), globals[3]}, out32);
+  for (int64_t idx = 0; idx < rows * cols; ++idx) {
+    const double m = static_cast<double>(e2m1_to_f32(e2m1_code_at(codes.data(), idx))) *
+                     e4m3_reference(scales[idx / 16]);
+    ASSERT_EQ(out32[idx], static_cast<float>(m * static_cast<double>(globals[3]))) << idx;
+  }
 }
 
 // ---- Activation recipe ------------------------------------------------------------------------

@@ -966,10 +966,10 @@ TEST_F(ToolQuantize, DequantizeRoundTripEqualsFormatDequantize) {
     }
     const Expected e = expected(t.spec.name);
     const int64_t rows = t.spec.shape[0], cols = t.spec.shape[1];
-    std::vector<float> w(size_t(rows * cols));
-    megamoe::format::dequantize({rows, cols, e.codes.data(), e.scales.data(), e.s2}, w);
-    std::vector<uint16_t> want(w.size());
-    std::transform(w.begin(), w.end(), want.begin(), megamoe::f32_to_bf16);
+    // One rounding from the exact product (test_format checks it against a double oracle).
+    std::vector<uint16_t> want(size_t(rows * cols));
+    megamoe::format::dequantize_to_bf16({rows, cols, e.codes.data(), e.scales.data(), e.s2},
+                                        want);
     EXPECT_EQ(o->dtype, DType::BF16);
     EXPECT_EQ(o->shape, t.spec.shape);
     EXPECT_EQ(read_tensor<uint16_t>(*f, t.spec.name), want);
@@ -1036,14 +1036,112 @@ TEST_F(ToolQuantize, DequantizeBothLayoutsDropsInputScales) {
        {std::tuple{"m.weight", &m_codes, &m_scales, m_s2},
         std::tuple{"c.weight", &c_codes, &c_scales, 1.0f / c_global}}) {
     SCOPED_TRACE(name);
-    std::vector<float> w(size_t(rows * cols));
-    megamoe::format::dequantize({rows, cols, codes->data(), scales->data(), s2}, w);
-    std::vector<uint16_t> want(w.size());
-    std::transform(w.begin(), w.end(), want.begin(), megamoe::f32_to_bf16);
+    std::vector<uint16_t> want(size_t(rows * cols));
+    megamoe::format::dequantize_to_bf16({rows, cols, codes->data(), scales->data(), s2}, want);
     EXPECT_EQ(f->find(name)->dtype, DType::BF16);
     EXPECT_EQ(f->find(name)->shape, (std::vector<int64_t>{rows, cols}));
     EXPECT_EQ(read_tensor<uint16_t>(*f, name), want);
   }
+}
+
+// ModelOpt's fused groups: gate_proj/up_proj (experts, shared expert, dense MLP),
+// q_proj/k_proj/v_proj and DeepSeek's q_a_proj/kv_a_proj_with_mqa of one module share the
+// group's amax, hence one weight_scale_2; other linears (down_proj, o_proj, q_b_proj) keep their
+// own; a member left out by --exclude is not in the group;
+// an all-zero group gets the exporter's zero signature. Checked for both global-scale divisions.
+TEST_F(ToolQuantize, FusedGroupsShareOneGlobalScale) {
+  using megamoe::format::ExportDevice;
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937_64 rng(seed);
+  const std::string e0 = "model.layers.1.mlp.experts.0.", sh = "model.layers.1.mlp.shared_experts.",
+                    at = "model.layers.0.self_attn.", e1 = "model.layers.1.mlp.experts.1.";
+  const std::vector<std::string> names = {
+      e0 + "gate_proj.weight", e0 + "up_proj.weight",   e0 + "down_proj.weight",
+      sh + "gate_proj.weight", sh + "up_proj.weight",   at + "q_proj.weight",
+      at + "k_proj.weight",    at + "v_proj.weight",    at + "o_proj.weight",
+      e1 + "gate_proj.weight", e1 + "up_proj.weight",   at + "q_a_proj.weight",
+      at + "kv_a_proj_with_mqa.weight", at + "q_b_proj.weight"};
+  std::vector<Owned> input;
+  for (const std::string& name : names) {
+    const bool zero = name.starts_with(e1);
+    RandomTensor t = random_tensor(rng, DType::BF16, 32, 64);
+    if (zero) {
+      std::fill(t.values.begin(), t.values.end(), 0.0f);
+      std::fill(t.bytes.begin(), t.bytes.end(), uint8_t{0});
+    }
+    values_[name] = t.values;
+    input.push_back({{name, DType::BF16, {32, 64}}, std::move(t.bytes)});
+  }
+  write_file(in_, input, metadata_);
+  auto amax = [&](const std::string& name) {
+    float a = 0.0f;
+    for (float v : values_.at(name)) a = std::max(a, std::fabs(v));
+    return a;
+  };
+  // The groups (with the shared expert's up_proj excluded below, so its gate_proj is alone).
+  const std::vector<std::vector<std::string>> groups = {
+      {e0 + "gate_proj.weight", e0 + "up_proj.weight"},
+      {e0 + "down_proj.weight"},
+      {sh + "gate_proj.weight"},
+      {at + "q_proj.weight", at + "k_proj.weight", at + "v_proj.weight"},
+      {at + "o_proj.weight"},
+      {e1 + "gate_proj.weight", e1 + "up_proj.weight"},
+      {at + "q_a_proj.weight", at + "kv_a_proj_with_mqa.weight"},
+      {at + "q_b_proj.weight"}};
+  // The data must make the grouping matter: members' own amax differ.
+  ASSERT_NE(amax(groups[0][0]), amax(groups[0][1]));
+
+  for (const auto& [flag, device] :
+       {std::pair{std::string(), ExportDevice::kGpu},
+        std::pair{std::string(" --export-device gpu"), ExportDevice::kGpu},
+        std::pair{std::string(" --export-device cpu"), ExportDevice::kCpu}}) {
+    SCOPED_TRACE("flags:" + flag);
+    const ToolResult r =
+        run_tool("quantize " + q(in_) + " " + q(out_) + " --exclude 'shared_experts\\.up'" + flag);
+    ASSERT_EQ(r.code, 0) << r.output;
+    EXPECT_NE(r.output.find("13 tensors quantized to NVFP4 (9 of them in fused groups"),
+              std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(std::string("as exported on the ") +
+                            megamoe::format::export_device_name(device)),
+              std::string::npos) << r.output;
+    for (const char* zero : {"gate_proj.weight' is all zero", "up_proj.weight' is all zero"}) {
+      EXPECT_NE(r.output.find(e1 + zero), std::string::npos) << r.output;
+    }
+    const auto f = SafetensorsFile::open(out_.string());
+    EXPECT_EQ(raw_bytes(*f, sh + "up_proj.weight"),
+              input[4].bytes);  // excluded: copied as it was
+    for (const auto& group : groups) {
+      float group_amax = 0.0f;
+      for (const std::string& name : group) group_amax = std::max(group_amax, amax(name));
+      const float s2 = megamoe::format::modelopt_global_scale(group_amax, device);
+      for (const std::string& name : group) {
+        SCOPED_TRACE(name);
+        const std::string base = name.substr(0, name.size() - 7);
+        std::vector<uint8_t> codes(32 * 32), scales(32 * 4);
+        megamoe::format::quantize_weight_with_global_scale(values_.at(name), 32, 64, s2, codes,
+                                                           scales, device);
+        EXPECT_EQ(read_tensor<float>(*f, base + ".weight_scale_2"), std::vector<float>{s2});
+        EXPECT_TRUE(raw_bytes(*f, name) == codes);
+        EXPECT_TRUE(raw_bytes(*f, base + ".weight_scale") == scales);
+      }
+    }
+    // The zero group is the exporter's signature.
+    EXPECT_EQ(read_tensor<float>(*f, e1 + "up_proj.weight_scale_2"), std::vector<float>{0.0f});
+    EXPECT_EQ(raw_bytes(*f, e1 + "up_proj.weight_scale"),
+              std::vector<uint8_t>(32 * 4, device == ExportDevice::kCpu ? 0xFF : 0x7F));
+    EXPECT_EQ(raw_bytes(*f, e1 + "up_proj.weight"), std::vector<uint8_t>(32 * 32, 0x77));
+  }
+  EXPECT_NE(run_tool("quantize " + q(in_) + " " + q(out_) + " --export-device tpu").code, 0);
+
+  // dequantize: the zero signature comes back as zeros, with a warning naming the tensor.
+  const fs::path back = dir_ / "back.safetensors";
+  const ToolResult r = run_tool("dequantize " + q(out_) + " " + q(back));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("warning: '" + e1 + "gate_proj' in checkpoint"), std::string::npos)
+      << r.output;
+  const auto f = SafetensorsFile::open(back.string());
+  EXPECT_EQ(read_tensor<uint16_t>(*f, e1 + "gate_proj.weight"), std::vector<uint16_t>(32 * 64, 0));
 }
 
 TEST_F(ToolQuantize, RejectsBadInputs) {

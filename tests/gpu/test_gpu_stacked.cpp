@@ -3,6 +3,7 @@
 // every rejection: bad block scales, bad global scales, null pointers, bad shapes.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -202,6 +203,62 @@ TEST(GpuStackedWeights, RejectsBadScalesNamingTheElement) {
                   "shared_w2_scale_2 (shared down) is -1");
   expect_rejected(layer, host, [&](HostStacked& s) { s.s_w13_scale_2[0] = NAN; },
                   "shared_w13_scale_2[0] (shared gate)");
+}
+
+// ModelOpt's all-zero weight (global scale 0, NaN block scales, codes 0x77) in the stacked
+// tensors: from_stacked takes it as zeros, so the run is bitwise the run of the same layer whose
+// linears are zero (uploaded), and close to the reference of that layer.
+TEST(GpuStackedWeights, ModelOptZeroWeightRunsAsZeros) {
+  MEGAMOE_REQUIRE_GPU();
+  const unsigned seed = fresh_seed();
+  SCOPED_TRACE(::testing::Message() << "seed=" << seed);
+  std::mt19937 rng(seed);
+  const int64_t H = 256, I = 128, E = 8, Is = 128, T = 64;
+  const int k = 2;
+  MoeLayer layer = testing::random_layer(rng, H, I, E, k, Is);
+  HostStacked host = stack(layer);
+  // Expert 1's gate and up (a fused group, as a GPU export writes it: NaN 0x7F) and the shared
+  // expert's down (as a CPU export writes it: NaN 0xFF).
+  std::fill(host.w13.begin() + 1 * 2 * I * (H / 2), host.w13.begin() + 2 * 2 * I * (H / 2), 0x77);
+  std::fill(host.w13_scale.begin() + 1 * 2 * I * (H / 16),
+            host.w13_scale.begin() + 2 * 2 * I * (H / 16), 0x7F);
+  host.w13_scale_2[2] = host.w13_scale_2[3] = 0.0f;
+  std::fill(host.s_w2.begin(), host.s_w2.end(), 0x77);
+  std::fill(host.s_w2_scale.begin(), host.s_w2_scale.end(), 0xFF);
+  host.s_w2_scale_2[0] = 0.0f;
+  auto zero = [](const Nvfp4Linear& l) {
+    const int64_t n = l.out_features, kk = l.in_features;
+    return make_owned_linear(n, kk, std::vector<uint8_t>(n * kk / 2, 0),
+                             std::vector<uint8_t>(n * kk / 16, 0), 1.0f);
+  };
+  layer.experts[1].gate = zero(layer.experts[1].gate);
+  layer.experts[1].up = zero(layer.experts[1].up);
+  layer.shared_expert->down = zero(layer.shared_expert->down);
+
+  const DeviceStacked dev(layer, host);
+  MoeProblem problem = MoeProblem::from_layer(layer, T);
+  problem.deterministic = true;
+  const MoePlan plan = MoePlan::create(problem);
+  const MoeDeviceWeights from_stacked = MoeDeviceWeights::from_stacked(dev.view);
+  const MoeDeviceWeights uploaded = MoeDeviceWeights::upload(layer);
+  const auto hidden = testing::random_hidden(rng, T, H);
+  reference::TopK topk = testing::random_topk(rng, T, E, k);
+  for (int64_t t = 0; t < T; t += 2) {  // half the tokens use expert 1 (ids stay distinct)
+    if (topk.ids[t * k + 1] == 1) topk.ids[t * k + 1] = topk.ids[t * k];
+    topk.ids[t * k] = 1;
+  }
+  const auto got = run_layer(plan, from_stacked, hidden, topk);
+  const auto want = run_layer(plan, uploaded, hidden, topk);
+  int64_t differ = 0;
+  for (size_t i = 0; i < got.size(); ++i) differ += got[i] != want[i];
+  EXPECT_EQ(differ, 0) << "outputs that differ from the zero layer's (of " << got.size() << ")";
+  const auto stats = testing::compare(got, reference::moe_forward_f32(layer, hidden, T, topk));
+  EXPECT_EQ(stats.nans, 0);
+  EXPECT_LE(stats.rel_l2, 2e-3);
+
+  // One byte short of the signature: the NaN scales are refused again.
+  expect_rejected(layer, host, [&](HostStacked& s) { s.w13[1 * 2 * I * (H / 2) + 3] = 0x76; },
+                  "w13_scale[1, 0, 0] is the block scale 0x7F, which is NaN");
 }
 
 TEST(GpuStackedWeights, RejectsNullPointersAndBadShapes) {

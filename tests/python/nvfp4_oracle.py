@@ -38,7 +38,9 @@ def quantize_modelopt(w: torch.Tensor):
     w = w.cpu().float()
     n, k = w.shape
     amax = w.abs().max()
-    s2 = amax / 2688.0 if amax > 0 else torch.tensor(1.0)
+    # The GPU export's form, megamoe's default (DESIGN.md §2): PyTorch on a CUDA tensor computes
+    # ModelOpt's amax / 2688 as amax * fl32(1/2688); this tensor is on the CPU, so write it out.
+    s2 = amax * torch.tensor(1.0 / 2688.0, dtype=torch.float32)
     blocks = w.reshape(n, k // 16, 16)
     ratio = blocks.abs().amax(dim=-1) / (6.0 * s2)
     ratio = torch.where(ratio == 0, torch.ones_like(ratio), ratio).clamp(2.0 ** -9, 448.0)

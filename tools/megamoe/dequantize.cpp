@@ -1,5 +1,6 @@
 // `megamoe dequantize IN OUT`: every NVFP4 linear (ModelOpt or compressed-tensors names) back to
-// one BF16 `*.weight`, streamed row chunk by row chunk; every other tensor copied.
+// one BF16 `*.weight`, each element e2m1 * ue4m3 * global scale rounded once to bf16, streamed
+// row chunk by row chunk; every other tensor copied.
 #include <algorithm>
 #include <map>
 #include <memory>
@@ -43,23 +44,21 @@ void dequantize_linear(const Checkpoint& ckpt, const TensorRef& packed, const st
   const int64_t rows = shape[0];
   const int64_t cols = 2 * shape[1];
   // Validates the scales (dtype, shape, every ue4m3 byte, the global scale) and resolves the
-  // ModelOpt or compressed-tensors (reciprocal) global scale into weight_scale_2.
+  // ModelOpt or compressed-tensors (reciprocal) global scale into weight_scale_2; ModelOpt's
+  // all-zero weight comes back as zeros (with a warning naming it).
   const Nvfp4Linear lin = load_nvfp4_linear(ckpt, base, rows, cols);
   const int64_t k16 = cols / format::kNvfp4BlockSize;
   const int64_t chunk_rows = std::max<int64_t>(1, kChunkElements / cols);
-  std::vector<float> wide;
   std::vector<uint16_t> bf16;
   for (int64_t r0 = 0; r0 < rows; r0 += chunk_rows) {
     const int64_t n = std::min(chunk_rows, rows - r0);
-    wide.resize(size_t(n * cols));
     bf16.resize(size_t(n * cols));
     parallel_ranges(n, 0, [&](int64_t a, int64_t b) {
       const format::Nvfp4View part{b - a, cols, lin.weight + (r0 + a) * cols / 2,
                                    lin.weight_scale + (r0 + a) * k16, lin.weight_scale_2};
-      const std::span<float> dst =
-          std::span<float>(wide).subspan(size_t(a * cols), size_t((b - a) * cols));
-      format::dequantize(part, dst);
-      std::transform(dst.begin(), dst.end(), bf16.begin() + a * cols, f32_to_bf16);
+      // One rounding, from the exact product to bf16 (not through fp32).
+      format::dequantize_to_bf16(
+          part, std::span<uint16_t>(bf16).subspan(size_t(a * cols), size_t((b - a) * cols)));
     });
     out.append(base + ".weight", byte_view(std::span<const uint16_t>(bf16)));
     done_bytes += uint64_t(n * cols / 2);
