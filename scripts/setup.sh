@@ -59,4 +59,27 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "${CUTLASS_VERSION}" ]; then
   mv "$tmp/x/cutlass_library/source/include" "${CUTLASS_DIR}/include"
   echo "${CUTLASS_VERSION}" > "$stamp"
 fi
-echo "setup: dependencies ready (CUTLASS headers in ${CUTLASS_DIR}/include)" >&2
+# NCCL 2.28.9 (expert parallelism): the headers and libnccl.so.2 of the pinned PyPI wheel, the
+# version the GPU machines' torch ships, unpacked into the git-ignored third_party/nccl.
+NCCL_VERSION="2.28.9"
+NCCL_WHEEL="nvidia_nccl_cu13-${NCCL_VERSION}-py3-none-manylinux_2_18_x86_64.whl"
+NCCL_SHA256="e4553a30f34195f3fa1da02a6da3d6337d28f2003943aa0a3d247bbc25fefc42"
+NCCL_DIR="${ROOT}/third_party/nccl"
+if [ "$(cat "${NCCL_DIR}/.version" 2>/dev/null)" != "${NCCL_VERSION}" ]; then
+  tmp_nccl="$(mktemp -d)"
+  echo "setup: fetching NCCL ${NCCL_VERSION} (PyPI nvidia-nccl-cu13)" >&2
+  python3 -m pip download --quiet --no-deps --only-binary=:all: \
+    "nvidia-nccl-cu13==${NCCL_VERSION}" -d "$tmp_nccl"
+  echo "${NCCL_SHA256}  ${tmp_nccl}/${NCCL_WHEEL}" | sha256sum --check --quiet - || {
+    echo "setup: ${NCCL_WHEEL} does not have the pinned sha256 ${NCCL_SHA256}" >&2
+    exit 1
+  }
+  rm -rf "${NCCL_DIR}"
+  mkdir -p "${NCCL_DIR}"
+  unzip -q "${tmp_nccl}/${NCCL_WHEEL}" 'nvidia/nccl/include/*' 'nvidia/nccl/lib/*' -d "$tmp_nccl/x"
+  mv "$tmp_nccl/x/nvidia/nccl/include" "$tmp_nccl/x/nvidia/nccl/lib" "${NCCL_DIR}/"
+  ln -sf libnccl.so.2 "${NCCL_DIR}/lib/libnccl.so"
+  rm -rf "$tmp_nccl"
+  echo "${NCCL_VERSION}" > "${NCCL_DIR}/.version"
+fi
+echo "setup: dependencies ready (CUTLASS headers in ${CUTLASS_DIR}/include, NCCL in ${NCCL_DIR})" >&2

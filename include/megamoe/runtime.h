@@ -104,6 +104,8 @@ struct MoeRunArgs {
   int64_t tokens = 0;                    // T <= max_tokens
   uint16_t* output = nullptr;            // [T, H] bf16, device
   void* workspace = nullptr;             // MoePlan::workspace_bytes(), 256-byte aligned
+  float* output_f32 = nullptr;           // instead of output (null then): [T, H] fp32, the sum before its
+                                         // bf16 rounding (for callers that add partial layers)
 };
 
 class MoePlan {

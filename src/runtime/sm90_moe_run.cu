@@ -202,6 +202,7 @@ k90::CombineParams combine_params(const RunContext& r, const k90::DispatchParams
   c.tokens = r.T;
   c.hidden = r.p.hidden_size;
   c.out = reinterpret_cast<__nv_bfloat16*>(r.args.output);
+  c.out_f32 = r.args.output_f32;
   return c;
 }
 
@@ -218,10 +219,12 @@ void check_run_args(const MoePlan& plan, const DeviceWeightsAccess::Impl& w, con
   MEGAMOE_CHECK(args.tokens >= 0 && args.tokens <= p.max_tokens, kInvalidArgument, "run: tokens = ",
                 args.tokens, " must be in 0..max_tokens = ", p.max_tokens);
   if (args.tokens == 0) return;
-  MEGAMOE_CHECK(args.hidden && args.topk_ids && args.topk_weights && args.output && args.workspace,
-                kInvalidArgument, "run: hidden, topk_ids, topk_weights, output and workspace must be device pointers, not null");
-  MEGAMOE_CHECK(reinterpret_cast<uintptr_t>(args.hidden) % 16 == 0 &&
-                    reinterpret_cast<uintptr_t>(args.output) % 16 == 0 &&
+  MEGAMOE_CHECK(args.hidden && args.topk_ids && args.topk_weights && args.workspace, kInvalidArgument,
+                "run: hidden, topk_ids, topk_weights and workspace must be device pointers, not null");
+  MEGAMOE_CHECK((args.output != nullptr) != (args.output_f32 != nullptr), kInvalidArgument,
+                "run: give exactly one of output (bf16) and output_f32 (fp32)");
+  const void* out = args.output != nullptr ? static_cast<const void*>(args.output) : args.output_f32;
+  MEGAMOE_CHECK(reinterpret_cast<uintptr_t>(args.hidden) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(args.workspace) % 256 == 0,
                 kInvalidArgument, "run: hidden and output must be 16-byte aligned, workspace 256-byte aligned");
 }

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -600,6 +601,97 @@ TEST_F(ToolSynth, RunOnGpuMatchesReference) {
   EXPECT_EQ(raw_bytes(*SafetensorsFile::open(y_det1.string()), "output"),
             raw_bytes(*SafetensorsFile::open(y_det2.string()), "output"))
       << "--deterministic runs differ";
+}
+
+// `megamoe run --ep 2` (expert parallelism over two GPUs, one process each) against `megamoe
+// reference` on the whole layer: uneven token shares (37 tokens: 19 + 18; one token: rank 1 has
+// none), the layer's router, given top-1 ids, every token on rank 0's experts, the shared expert;
+// --deterministic bitwise over repeated runs. And a rank whose peer never starts fails within its
+// timeout. Needs two GPUs; skipped (visibly) elsewhere.
+TEST_F(ToolSynth, RunExpertParallelMatchesReference) {
+  if (megamoe::gpu::device_count() < 2) {
+    GTEST_SKIP() << "fewer than 2 CUDA devices: `megamoe run --ep 2` test skipped (run it on a 2-GPU machine)";
+  }
+  seed_ = fresh_seed();
+  ckpt_ = dir_ / "ckpt16";
+  // DeepSeek-V4-Flash's shapes (H 4096, I 2048, top-6, a shared expert, SwiGLU clamp) with 16
+  // experts: 8 per rank (a rank's local layer takes a token's k ids).
+  ToolResult r = run_tool("synth --preset deepseek-v4-flash --num-experts 16 --threads 2 --seed " +
+                          std::to_string(seed_) + " " + q(ckpt_));
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::mt19937_64 rng(seed_);
+  SCOPED_TRACE(testing::Message() << "seed " << seed_);
+  struct Case {
+    std::string name;
+    int64_t T;
+    int k;             // 0: the layer's router
+    int64_t id_range;  // given ids drawn from [0, id_range)
+  };
+  for (const Case& c : {Case{"router, 37 tokens", 37, 0, 0}, Case{"router, one token", 1, 0, 0},
+                        Case{"given top-1", 20, 1, 16}, Case{"all on rank 0", 12, 6, 8}}) {
+    SCOPED_TRACE(c.name);
+    constexpr int64_t H = 4096;
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<uint16_t> hidden(static_cast<size_t>(c.T * H));
+    for (uint16_t& v : hidden) v = megamoe::f32_to_bf16(normal(rng));
+    std::vector<Owned> tensors = {{{"hidden", DType::BF16, {c.T, H}}, to_bytes(hidden)}};
+    if (c.k > 0) {
+      std::vector<int32_t> ids;
+      std::vector<float> w;
+      for (int64_t t = 0; t < c.T; ++t) {
+        std::vector<int32_t> perm(static_cast<size_t>(c.id_range));
+        std::iota(perm.begin(), perm.end(), 0);
+        std::shuffle(perm.begin(), perm.end(), rng);
+        for (int j = 0; j < c.k; ++j) {
+          ids.push_back(perm[static_cast<size_t>(j)]);
+          w.push_back(std::uniform_real_distribution<float>(0.1f, 1.0f)(rng));
+        }
+      }
+      tensors.push_back({{"topk_ids", DType::I32, {c.T, c.k}}, to_bytes(ids)});
+      tensors.push_back({{"topk_weights", DType::F32, {c.T, c.k}}, to_bytes(w)});
+    }
+    const fs::path x = dir_ / "x.safetensors", y_ref = dir_ / "ref.safetensors", y_ep = dir_ / "ep.safetensors";
+    write_file(x, tensors);
+    const std::string args = " --checkpoint " + q(ckpt_) + " --layer 3 --input " + q(x) + " --output ";
+    r = run_tool("reference" + args + q(y_ref));
+    ASSERT_EQ(r.code, 0) << r.output;
+    r = run_tool("run" + args + q(y_ep) + " --ep 2");
+    ASSERT_EQ(r.code, 0) << r.output;
+    const auto ref = SafetensorsFile::open(y_ref.string());
+    const auto got_file = SafetensorsFile::open(y_ep.string());
+    EXPECT_EQ(read_tensor<int32_t>(*got_file, "topk_ids"), read_tensor<int32_t>(*ref, "topk_ids"));
+    const std::vector<uint16_t> want = read_tensor<uint16_t>(*ref, "output");
+    const std::vector<uint16_t> got = read_tensor<uint16_t>(*got_file, "output");
+    ASSERT_EQ(got.size(), want.size());
+    double num = 0, den = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      const double g = megamoe::bf16_to_f32(got[i]), w = megamoe::bf16_to_f32(want[i]);
+      ASSERT_TRUE(std::isfinite(g)) << "element " << i;
+      num += (g - w) * (g - w);
+      den += w * w;
+    }
+    EXPECT_LE(std::sqrt(num / den), 2e-3);
+    if (c.T == 37) {
+      const fs::path d1 = dir_ / "det1.safetensors", d2 = dir_ / "det2.safetensors";
+      for (const fs::path& d : {d1, d2}) {
+        r = run_tool("run" + args + q(d) + " --ep 2 --deterministic");
+        ASSERT_EQ(r.code, 0) << r.output;
+      }
+      EXPECT_EQ(raw_bytes(*SafetensorsFile::open(d1.string()), "output"),
+                raw_bytes(*SafetensorsFile::open(d2.string()), "output"))
+          << "--ep 2 --deterministic runs differ";
+    }
+  }
+  // Rank 0 alone, with an id no launcher made and no peer: a clear failure within the timeout, not
+  // a hang.
+  const fs::path x = dir_ / "x.safetensors";
+  const auto start = std::chrono::steady_clock::now();
+  r = run_tool("run --checkpoint " + q(ckpt_) + " --layer 3 --input " + q(x) + " --output " +
+               q(dir_ / "lonely.bin") + " --ep 2 --ep-rank 0 --ep-timeout 5 --ep-id " + std::string(256, 'a'));
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("NCCL"), std::string::npos) << r.output;
+  EXPECT_LT(seconds, 60.0) << r.output;
 }
 
 // `megamoe bench` with an override that runs at some of its T only (the fused launch: up to 24

@@ -1,14 +1,30 @@
 // `megamoe run --checkpoint DIR --layer L --input X.safetensors --output Y.safetensors
-// [--deterministic]`: one MoE layer on the GPU (sm90 W4A16), with the arguments of `reference`.
-// Routing, when the input gives no top-k, runs on the CPU (reference::route).
+// [--deterministic] [--ep N]`: one MoE layer on the GPU (sm90 W4A16), with the arguments of
+// `reference`. Routing, when the input gives no top-k, runs on the CPU (reference::route).
+// --ep N: expert parallelism over N GPUs of this host. The command starts one process per GPU
+// itself (this executable again, with --ep-rank), gives each a contiguous share of the tokens
+// (the last ones may get none) and gathers their outputs.
 #include <cuda_runtime.h>
 
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "commands.h"
+#if MEGAMOE_HAS_EP
+#include "megamoe/ep.h"
+#endif
 #include "megamoe/gpu.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
@@ -25,9 +41,167 @@ struct RunArgs {
   std::string input;
   std::string output;
   bool deterministic = false;
+  int ep = 0;                // world size; 0: one GPU, no expert parallelism
+  int ep_rank = -1;          // set by the launcher in the processes it starts
+  std::string ep_id;         // the NCCL unique id, hex (launcher -> ranks)
+  double ep_timeout = 60.0;  // seconds a rank waits for its peers at a barrier
 };
 
+extern "C" char** environ;
+
+// Token share of rank r: [first, end) of T, contiguous, ceil(T / R) each (the last may be short
+// or empty).
+std::pair<int64_t, int64_t> token_share(int64_t T, int R, int r) {
+  const int64_t per = (T + R - 1) / R;
+  return {std::min<int64_t>(T, r * per), std::min<int64_t>(T, (r + 1) * per)};
+}
+
+#if MEGAMOE_HAS_EP
+// One rank (a process the launcher started): its experts, its tokens, its rows of the output
+// written raw (bf16) to args.output.
+void run_ep_rank(const RunArgs& args) {
+  const int R = args.ep, r = args.ep_rank;
+  MEGAMOE_CHECK(gpu::device_count() >= R, kUnsupported, "megamoe run --ep ", R, ": rank ", r, " sees only ",
+                gpu::device_count(), " CUDA devices");
+  gpu::check_cuda(cudaSetDevice(r), "cudaSetDevice");
+  LayerJob job = load_layer_job(args.checkpoint, args.layer, args.input);
+  const int64_t T = job.topk.tokens, H = job.layer.hidden_size, k = job.topk.k;
+  job.layer.routing.top_k = static_cast<int>(k);
+  const auto [first, end] = token_share(T, R, r);
+  const int64_t t_r = end - first;
+  EpConfig cfg;
+  cfg.world_size = R;
+  cfg.rank = r;
+  cfg.device = r;
+  cfg.max_tokens_per_rank = std::max<int64_t>(1, (T + R - 1) / R);
+  cfg.timeout_seconds = args.ep_timeout;
+  const EpExpertRange range = ep_expert_range(job.layer.num_experts, R, r);
+  MoeEpLayer layer = MoeEpLayer::create(ep_local_layer(job.layer, range), job.layer.num_experts, cfg,
+                                        EpUniqueId::from_hex(args.ep_id), args.deterministic);
+  auto slice = [&](const auto& v, int64_t width) {
+    using T = typename std::decay_t<decltype(v)>::value_type;
+    return std::vector<T>(v.begin() + first * width, v.begin() + end * width);
+  };
+  const tools::DeviceBuffer<uint16_t> hidden(slice(job.hidden, H));
+  const tools::DeviceBuffer<int32_t> ids(slice(job.topk.ids, k));
+  const tools::DeviceBuffer<float> weights(slice(job.topk.weights, k));
+  tools::DeviceBuffer<uint16_t> out(static_cast<size_t>(t_r * H));
+  out.poison();
+  MoeRunArgs run_args;
+  run_args.hidden = hidden.get();
+  run_args.topk_ids = ids.get();
+  run_args.topk_weights = weights.get();
+  run_args.tokens = t_r;
+  run_args.output = out.get();
+  layer.run(run_args, nullptr);
+  layer.check(nullptr);
+  const int64_t invalid = layer.invalid_id_count(nullptr);
+  MEGAMOE_CHECK(invalid == 0, kInternal, invalid, " top-k ids were out of range on rank ", r);
+  const std::vector<uint16_t> rows = out.download();
+  std::ofstream f(args.output, std::ios::binary | std::ios::trunc);
+  f.write(reinterpret_cast<const char*>(rows.data()), static_cast<std::streamsize>(rows.size() * 2));
+  MEGAMOE_CHECK(f.good(), kIo, "megamoe run --ep: rank ", r, " could not write '", args.output, "'");
+  std::fprintf(stderr, "megamoe run --ep %d: rank %d: experts [%lld, %lld), tokens [%lld, %lld), %.2f GB on GPU %d\n", R,
+               r, (long long)range.first, (long long)(range.first + range.count), (long long)first, (long long)end,
+               layer.device_bytes() / 1e9, r);
+}
+
+// The launcher: starts the R ranks, waits for all of them (a rank that fails ends the others),
+// then writes the gathered output.
+void run_ep_launcher(const RunArgs& args) {
+  check_distinct_files(args.input, args.output);
+  const int R = args.ep;
+  MEGAMOE_CHECK(R >= 1 && R <= 8, kInvalidArgument, "megamoe run --ep ", R, ": the world size must be 1..8");
+  MEGAMOE_CHECK(gpu::device_count() >= R, kUnsupported, "megamoe run --ep ", R, " needs ", R,
+                " CUDA devices; this host has ", gpu::device_count());
+  const EpUniqueId id = EpUniqueId::create();
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
+                                    ("megamoe-ep-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  std::vector<std::string> env_strings;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string kv = *e;
+    if (kv.rfind("NCCL_NVLS_ENABLE=", 0) == 0 || kv.rfind("TORCH_SYMM_MEM_DISABLE_MULTICAST=", 0) == 0 ||
+        kv.rfind("NVSHMEM_DISABLE_NVLS=", 0) == 0)
+      continue;
+    env_strings.push_back(kv);
+  }
+  // Never NVLink multicast, in the ranks and in anything they start.
+  env_strings.push_back("NCCL_NVLS_ENABLE=0");
+  env_strings.push_back("TORCH_SYMM_MEM_DISABLE_MULTICAST=1");
+  env_strings.push_back("NVSHMEM_DISABLE_NVLS=1");
+  std::vector<char*> envp;
+  for (auto& e : env_strings) envp.push_back(e.data());
+  envp.push_back(nullptr);
+  std::vector<pid_t> pids;
+  for (int r = 0; r < R; ++r) {
+    std::vector<std::string> argv_s = {"megamoe", "run", "--checkpoint", args.checkpoint, "--layer",
+                                       std::to_string(args.layer), "--input", args.input, "--output",
+                                       (dir / ("rank" + std::to_string(r) + ".bin")).string(), "--ep",
+                                       std::to_string(R), "--ep-rank", std::to_string(r), "--ep-id", id.to_hex(),
+                                       "--ep-timeout", std::to_string(args.ep_timeout)};
+    if (args.deterministic) argv_s.push_back("--deterministic");
+    std::vector<char*> argv;
+    for (auto& a : argv_s) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    pid_t pid = 0;
+    const int rc = posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data());
+    MEGAMOE_CHECK(rc == 0, kIo, "megamoe run --ep: could not start rank ", r, " (posix_spawn: ", rc, ")");
+    pids.push_back(pid);
+  }
+  // Wait for every rank; the first failure ends the others (they would wait for it at a barrier
+  // until their timeout).
+  int failed = -1, failed_status = 0;
+  for (size_t left = pids.size(); left > 0;) {
+    int status = 0;
+    const pid_t pid = waitpid(-1, &status, 0);
+    if (pid < 0) break;
+    for (size_t r = 0; r < pids.size(); ++r) {
+      if (pids[r] != pid) continue;
+      pids[r] = 0;
+      --left;
+      if ((!WIFEXITED(status) || WEXITSTATUS(status) != 0) && failed < 0) {
+        failed = static_cast<int>(r);
+        failed_status = status;
+        for (pid_t other : pids)
+          if (other > 0) kill(other, SIGTERM);
+      }
+    }
+  }
+  if (failed >= 0) {
+    std::filesystem::remove_all(dir);
+    MEGAMOE_FAIL(kInternal, "megamoe run --ep ", R, ": rank ", failed, " failed (",
+                 WIFEXITED(failed_status) ? "exit status " + std::to_string(WEXITSTATUS(failed_status))
+                                          : "signal " + std::to_string(WTERMSIG(failed_status)),
+                 "); its message is above");
+  }
+  const LayerJob job = load_layer_job(args.checkpoint, args.layer, args.input);
+  const int64_t T = job.topk.tokens, H = job.layer.hidden_size;
+  std::vector<uint16_t> result(static_cast<size_t>(T * H));
+  for (int r = 0; r < R; ++r) {
+    const auto [first, end] = token_share(T, R, r);
+    std::ifstream f(dir / ("rank" + std::to_string(r) + ".bin"), std::ios::binary);
+    f.read(reinterpret_cast<char*>(result.data() + first * H), static_cast<std::streamsize>((end - first) * H * 2));
+    MEGAMOE_CHECK(f.gcount() == (end - first) * H * 2, kInternal, "megamoe run --ep: rank ", r,
+                  " wrote a short output");
+  }
+  std::filesystem::remove_all(dir);
+  write_layer_output(args.output, job, result);
+  std::fprintf(stderr, "megamoe run --ep %d: %lld tokens through layer %lld on %d GPUs (%s) -> '%s'\n", R,
+               (long long)T, (long long)args.layer, R, job.routing_name(), args.output.c_str());
+}
+#endif
+
 void run_gpu(const RunArgs& args) {
+  if (args.ep > 0 || args.ep_rank >= 0) {
+#if MEGAMOE_HAS_EP
+    if (args.ep_rank >= 0) return run_ep_rank(args);
+    return run_ep_launcher(args);
+#else
+    MEGAMOE_FAIL(kUnsupported, "megamoe run --ep: this build has no expert parallelism (configured with "
+                 "-DMEGAMOE_EP=OFF)");
+#endif
+  }
   check_distinct_files(args.input, args.output);
   MEGAMOE_CHECK(gpu::device_count() > 0, kUnsupported,
                 "no CUDA device found; `megamoe run` needs a Hopper GPU (use `megamoe reference` "
@@ -80,6 +254,14 @@ Command add_run_command(CLI::App& parent) {
   app->add_option("--input", args->input, "input .safetensors file")->required();
   app->add_option("--output", args->output, "output .safetensors file")->required();
   app->add_flag("--deterministic", args->deterministic, "fixed-order combine (bitwise reproducible)");
+  app->add_option("--ep", args->ep,
+                  "expert parallelism over N GPUs of this host (one process per GPU, started by this command)")
+      ->check(CLI::Range(1, 8));
+  app->add_option("--ep-timeout", args->ep_timeout, "seconds a rank waits for its peers before it fails")
+      ->check(CLI::Range(0.001, 3600.0));
+  // Set by the launcher for the processes it starts.
+  app->add_option("--ep-rank", args->ep_rank)->group("")->check(CLI::Range(0, 7));
+  app->add_option("--ep-id", args->ep_id)->group("");
   return {app, [args] { run_gpu(*args); }};
 }
 

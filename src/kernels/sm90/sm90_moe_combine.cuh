@@ -1,4 +1,5 @@
-// Final combine: fp32 [T, H] -> bf16 output, one rounding. Atomic mode reads the accumulator the
+// Final combine: fp32 [T, H] -> bf16 output, one rounding (or the fp32 sums themselves, for a
+// caller that adds partial layers: expert parallelism). Atomic mode reads the accumulator the
 // L2 epilogue added into; deterministic mode sums the per-slot results in top-k order (then the
 // shared-expert slices), so runs are bitwise identical.
 #pragma once
@@ -18,7 +19,8 @@ struct CombineParams {
   int32_t slots_per_token;
   int64_t tokens;
   int64_t hidden;              // H, a multiple of 8
-  __nv_bfloat16* out;          // (T, H)
+  __nv_bfloat16* out;          // (T, H), or null when out_f32 is set
+  float* out_f32;              // (T, H) fp32 before rounding, or null
 };
 
 // One thread per 8 consecutive outputs (32-byte fp32 reads, 16-byte bf16 writes).
@@ -48,6 +50,12 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(CombineParams p) {
         sum[0] += a.x * w; sum[1] += a.y * w; sum[2] += a.z * w; sum[3] += a.w * w;
         sum[4] += b.x * w; sum[5] += b.y * w; sum[6] += b.z * w; sum[7] += b.w * w;
       }
+    }
+    if (p.out_f32 != nullptr) {
+      float4* dst = reinterpret_cast<float4*>(p.out_f32 + t * p.hidden + h);
+      dst[0] = make_float4(sum[0], sum[1], sum[2], sum[3]);
+      dst[1] = make_float4(sum[4], sum[5], sum[6], sum[7]);
+      continue;
     }
     __align__(16) __nv_bfloat16 res[8];
 #pragma unroll

@@ -1,0 +1,102 @@
+// Expert parallelism (EP) over the GPUs of one host: R processes, one per GPU; rank r owns routed
+// experts [r·E/R, (r+1)·E/R) and a copy of the shared expert. Each rank calls the layer on its own
+// tokens with top-k ids in the global expert space and gets its tokens' outputs, equal to the
+// single-GPU layer on them (fp32 sums, one bf16 rounding at the end; docs/design.md §7).
+//
+// Transport: NCCL's symmetric memory (ncclMemAlloc + ncclCommWindowRegister) and its LSA peer
+// pointers, i.e. plain loads and stores over NVLink; no NVLink multicast (the library sets
+// NCCL_NVLS_ENABLE=0 before it creates a communicator, and never asks for multimem).
+//
+// Per run, all device-initiated (no host synchronisation, CUDA-graph capturable):
+//   dispatch   each token crosses NVLink once per destination rank that owns any of its experts;
+//   barrier    every rank's dispatch has landed (bounded wait: a peer that never arrives fails the
+//              run within EpConfig::timeout_seconds instead of hanging it);
+//   local      the rank's experts on what it received (fp32 out), the shared expert on its own
+//              tokens;
+//   return     each received token's weighted fp32 partial sum goes back to its source rank;
+//   barrier    every partial sum has landed;
+//   combine    Σ over ranks in rank order (+ shared expert), one bf16 rounding.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "megamoe/moe.h"
+#include "megamoe/runtime.h"
+
+namespace megamoe {
+
+// The 128 bytes that name an NCCL communicator: made once (EpUniqueId::create on one process) and
+// handed to every rank (as hex on a command line, or through the engine's own process group).
+struct EpUniqueId {
+  std::array<char, 128> bytes{};
+  static EpUniqueId create();
+  std::string to_hex() const;
+  // Throws megamoe::Error(kInvalidArgument) unless `hex` is 256 hex digits.
+  static EpUniqueId from_hex(const std::string& hex);
+};
+
+struct EpConfig {
+  int world_size = 1;                // R, 1..8 (the GPUs of one host)
+  int rank = 0;                      // this process's rank, 0..R-1; it runs on CUDA device `device`
+  int device = 0;
+  int64_t max_tokens_per_rank = 0;   // the largest T any rank passes to run()
+  double timeout_seconds = 60.0;     // a barrier that waits longer fails the run (check())
+};
+
+// The routed experts rank `rank` owns: [first, first + count). Throws megamoe::Error
+// (kInvalidArgument) when num_experts is not a multiple of world_size.
+struct EpExpertRange {
+  int64_t first = 0;
+  int64_t count = 0;
+};
+EpExpertRange ep_expert_range(int64_t num_experts, int world_size, int rank);
+
+// The part of a layer one rank holds: its routed experts (renumbered from 0) and the shared
+// expert, sharing the NVFP4 bytes with `layer` (views, no copy; with a memory-mapped checkpoint
+// only the rank's experts are ever read). num_experts becomes the range's count.
+MoeLayer ep_local_layer(const MoeLayer& layer, const EpExpertRange& range);
+
+// One rank of an expert-parallel MoE layer: its communicator, its symmetric buffers, its experts'
+// prepacked weights and every workspace, all made at create() (collective: every rank calls it,
+// with the same id and problem). Not copyable; destroy it on every rank.
+class MoeEpLayer {
+ public:
+  // `local_layer`: this rank's experts and the shared expert (ep_local_layer); `num_experts`: the
+  // global E. Throws megamoe::Error naming what is wrong: a rank or size out of range, E not a
+  // multiple of R, E/R below top_k, an unsupported shape (MoePlan's rules), NCCL without symmetric
+  // memory between these GPUs (kUnsupported), or a CUDA/NCCL failure (kCuda).
+  static MoeEpLayer create(const MoeLayer& local_layer, int64_t num_experts, const EpConfig& config,
+                           const EpUniqueId& id, bool deterministic = false);
+  MoeEpLayer(MoeEpLayer&&) noexcept;
+  MoeEpLayer& operator=(MoeEpLayer&&) noexcept;
+  ~MoeEpLayer();
+
+  const EpConfig& config() const;
+  EpExpertRange experts() const;
+  // Device bytes this rank holds: expert weights, symmetric buffers, workspaces.
+  size_t device_bytes() const;
+
+  // Runs the layer on this rank's tokens. `args.topk_ids` are global expert ids (ids outside
+  // [0, E) are counted and skipped); `args.workspace` is ignored (the layer owns its workspaces);
+  // args.tokens may be 0 and may differ between ranks, up to max_tokens_per_rank. Every rank must
+  // call run() the same number of times. Launches only: no allocation, no host synchronisation.
+  void run(const MoeRunArgs& args, cudaStream_t stream);
+
+  // Synchronises `stream` and throws megamoe::Error(kCuda) if a barrier of any earlier run timed
+  // out (a peer never arrived: the outputs of that run are undefined), or with the CUDA error.
+  void check(cudaStream_t stream) const;
+  // Top-k ids outside [0, E) seen by the last run (synchronises `stream`).
+  int64_t invalid_id_count(cudaStream_t stream) const;
+
+ private:
+  struct Impl;
+  MoeEpLayer();
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace megamoe

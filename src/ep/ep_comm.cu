@@ -1,0 +1,224 @@
+// SymmetricComm (ep_comm.h) over NCCL 2.28's symmetric memory and device API.
+#include "ep/ep_comm.h"
+
+#include <nccl.h>
+#include <nccl_device.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "megamoe/status.h"
+#include "runtime/cuda_check.h"
+
+namespace megamoe {
+
+namespace {
+
+void check_nccl(ncclResult_t r, const char* what) {
+  if (r != ncclSuccess) {
+    MEGAMOE_FAIL(kCuda, "NCCL ", what, " failed: ", ncclGetErrorString(r), " (", r, ")");
+  }
+}
+
+// A non-blocking communicator's pending operation: polls until it completes or fails (its result)
+// or the deadline passes (then the communicator is aborted, and this throws: a peer never joined).
+ncclResult_t poll_nccl(ncclComm_t& comm, ncclResult_t started, const char* what,
+                       std::chrono::steady_clock::time_point deadline, double timeout_seconds) {
+  // A call on a non-blocking communicator may return ncclSuccess while its work goes on: the
+  // communicator's own state says when it is done (the next call before that is refused).
+  ncclResult_t state = started;
+  if (state == ncclSuccess && comm != nullptr) {
+    const ncclResult_t polled = ncclCommGetAsyncError(comm, &state);
+    if (polled != ncclSuccess) state = polled;
+  }
+  while (state == ncclInProgress) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ncclCommAbort(comm);
+      comm = nullptr;  // aborted: nothing else may be called on it
+      MEGAMOE_FAIL(kCuda, "expert parallelism: NCCL ", what, " did not complete within ", timeout_seconds,
+                   " s: a peer rank never joined (every rank must create the layer with the same id)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    const ncclResult_t polled = ncclCommGetAsyncError(comm, &state);
+    if (polled != ncclSuccess) state = polled;
+  }
+  return state;
+}
+void wait_nccl(ncclComm_t& comm, ncclResult_t started, const char* what,
+               std::chrono::steady_clock::time_point deadline, double timeout_seconds) {
+  check_nccl(poll_nccl(comm, started, what, deadline, timeout_seconds), what);
+}
+
+// The peers' window bases, resolved on the device once (ncclGetLsaPointer is a device function).
+__global__ void lsa_bases_kernel(ncclWindow_t win, int world, char** out) {
+  const int peer = static_cast<int>(threadIdx.x);
+  if (peer < world) out[peer] = static_cast<char*>(ncclGetLsaPointer(win, 0, peer));
+}
+
+}  // namespace
+
+EpUniqueId EpUniqueId::create() {
+  static_assert(sizeof(ncclUniqueId) == sizeof(EpUniqueId::bytes), "ncclUniqueId is 128 bytes");
+  // NCCL reads its environment once, at its first call: no multicast, ever (it can take the
+  // host's shared GPUs out of service).
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  ncclUniqueId id;
+  check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  EpUniqueId out;
+  std::memcpy(out.bytes.data(), &id, sizeof(id));
+  return out;
+}
+
+std::string EpUniqueId::to_hex() const {
+  static const char* digits = "0123456789abcdef";
+  std::string s;
+  for (char c : bytes) {
+    const auto b = static_cast<unsigned char>(c);
+    s += digits[b >> 4];
+    s += digits[b & 15];
+  }
+  return s;
+}
+
+EpUniqueId EpUniqueId::from_hex(const std::string& hex) {
+  EpUniqueId out;
+  auto value = [&](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+  };
+  bool ok = hex.size() == 2 * out.bytes.size();
+  for (size_t i = 0; ok && i < out.bytes.size(); ++i) {
+    const int hi = value(hex[2 * i]), lo = value(hex[2 * i + 1]);
+    ok = hi >= 0 && lo >= 0;
+    if (ok) out.bytes[i] = static_cast<char>(hi * 16 + lo);
+  }
+  MEGAMOE_CHECK(ok, kInvalidArgument, "EpUniqueId: expected 256 hex digits (an NCCL unique id), got ",
+                hex.size(), " characters");
+  return out;
+}
+
+namespace ep {
+
+namespace {
+constexpr size_t kCheckBytes = 256;
+
+// Reads the first 8 bytes of every rank's window: each rank wrote its own rank there.
+__global__ void peer_check_kernel(char* const* bases, int world, int64_t* out) {
+  const int peer = static_cast<int>(threadIdx.x);
+  if (peer < world) out[peer] = *reinterpret_cast<const volatile int64_t*>(bases[peer]);
+}
+}  // namespace
+
+struct SymmetricComm::Nccl {
+  ncclComm_t comm = nullptr;
+  void* buffer = nullptr;
+  ncclWindow_t window = nullptr;
+  char** bases = nullptr;  // device copy for lsa_bases_kernel
+  // Also after a failed construction: releases what was made, in reverse order. The
+  // communicator is non-blocking: each call may still be in progress when it returns.
+  ~Nccl() {
+    if (bases) cudaFree(bases);
+    if (comm) {
+      if (window) settle(ncclCommWindowDeregister(comm, window));
+    }
+    if (buffer) ncclMemFree(buffer);
+    if (comm) {
+      if (settle(ncclCommFinalize(comm)) == ncclInProgress) {
+        ncclCommAbort(comm);  // a peer is gone: finalising would wait for it forever
+      } else {
+        ncclCommDestroy(comm);
+      }
+    }
+  }
+  // Polls a call on the communicator for up to 10 s; its final state.
+  ncclResult_t settle(ncclResult_t state) const {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (state == ncclInProgress && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      ncclCommGetAsyncError(comm, &state);
+    }
+    return state;
+  }
+};
+
+SymmetricComm::SymmetricComm(const EpUniqueId& id, int world, int rank, size_t window_bytes,
+                             double timeout_seconds)
+    : nccl_(std::make_unique<Nccl>()), rank_(rank), bytes_(window_bytes) {
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(timeout_seconds));
+  MEGAMOE_CHECK(world >= 1 && world <= 8 && rank >= 0 && rank < world, kInvalidArgument,
+                "expert parallelism: rank ", rank, " of world size ", world,
+                " is out of range (world size 1..8, the GPUs of one host)");
+  setenv("NCCL_NVLS_ENABLE", "0", 1);
+  int version = 0;
+  check_nccl(ncclGetVersion(&version), "ncclGetVersion");
+  // The device API's structs (ncclDevComm, windows) changed layout after 2.28: the library that
+  // was loaded must be the one these headers describe.
+  MEGAMOE_CHECK(version == NCCL_VERSION_CODE, kUnsupported, "expert parallelism: the loaded NCCL is version ",
+                version, " but this build uses the NCCL ", NCCL_VERSION_CODE,
+                " headers (scripts/setup.sh pins nvidia-nccl-cu13==2.28.9); load that libnccl.so.2 first");
+  ncclUniqueId uid;
+  std::memcpy(&uid, id.bytes.data(), sizeof(uid));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  const ncclResult_t init = ncclCommInitRankConfig(&nccl_->comm, world, uid, rank, &config);
+  MEGAMOE_CHECK(nccl_->comm != nullptr, kCuda, "NCCL ncclCommInitRankConfig failed: ", ncclGetErrorString(init));
+  wait_nccl(nccl_->comm, init, "ncclCommInitRankConfig", deadline, timeout_seconds);
+  // The window: kCheckBytes of our own (the peer check below), then the caller's bytes; windows are
+  // 4 KiB aligned.
+  const size_t bytes = (kCheckBytes + window_bytes + 4095) / 4096 * 4096;
+  check_nccl(ncclMemAlloc(&nccl_->buffer, bytes), "ncclMemAlloc(symmetric window)");
+  gpu::check_cuda(cudaMemset(nccl_->buffer, 0, bytes), "cudaMemset(symmetric window)");
+  gpu::check_cuda(cudaDeviceSynchronize(), "cudaMemset(symmetric window)");
+  wait_nccl(nccl_->comm, ncclCommWindowRegister(nccl_->comm, nccl_->buffer, bytes, &nccl_->window, NCCL_WIN_DEFAULT),
+            "ncclCommWindowRegister", deadline, timeout_seconds);
+  gpu::check_cuda(cudaMalloc(&nccl_->bases, sizeof(char*) * static_cast<size_t>(world)), "cudaMalloc");
+  lsa_bases_kernel<<<1, 32>>>(nccl_->window, world, nccl_->bases);
+  gpu::check_cuda(cudaGetLastError(), "lsa_bases_kernel launch");
+  peers_.assign(static_cast<size_t>(world), nullptr);
+  gpu::check_cuda(cudaMemcpy(peers_.data(), nccl_->bases, sizeof(char*) * static_cast<size_t>(world),
+                             cudaMemcpyDeviceToHost),
+                  "cudaMemcpy(peer bases)");
+  const int64_t me = rank;
+  gpu::check_cuda(cudaMemcpy(nccl_->buffer, &me, sizeof(me), cudaMemcpyHostToDevice), "cudaMemcpy(peer check)");
+  // Every rank's window is zeroed before any peer writes into it (registration and the device
+  // communicator are collective already; this one-element all-reduce makes the order explicit).
+  int32_t* one = nullptr;
+  gpu::check_cuda(cudaMalloc(&one, sizeof(int32_t)), "cudaMalloc");
+  const ncclResult_t synced = ncclAllReduce(one, one, 1, ncclInt32, ncclSum, nccl_->comm, nullptr);
+  const ncclResult_t reduced = poll_nccl(nccl_->comm, synced, "ncclAllReduce(setup barrier)", deadline, timeout_seconds);
+  const cudaError_t done = cudaDeviceSynchronize();
+  cudaFree(one);
+  check_nccl(reduced, "ncclAllReduce(setup barrier)");
+  gpu::check_cuda(done, "symmetric window setup");
+  // Where NCCL has no symmetric memory between these GPUs (no peer access, no cuMem), window
+  // registration succeeds with a handle that does not map the peers: check that every rank's
+  // window holds what that rank wrote, through the pointers the kernels will use.
+  int64_t* seen = nullptr;
+  gpu::check_cuda(cudaMalloc(&seen, sizeof(int64_t) * static_cast<size_t>(world)), "cudaMalloc");
+  peer_check_kernel<<<1, 32>>>(nccl_->bases, world, seen);
+  std::vector<int64_t> got(static_cast<size_t>(world), -1);
+  const cudaError_t checked = cudaMemcpy(got.data(), seen, sizeof(int64_t) * got.size(), cudaMemcpyDeviceToHost);
+  cudaFree(seen);
+  MEGAMOE_CHECK(checked == cudaSuccess, kUnsupported, "expert parallelism: rank ", rank,
+                " cannot read its peers' symmetric memory (", cudaGetErrorString(checked),
+                "): the GPUs need CUDA peer access (NVLink) to each other and cuMem (VMM) support");
+  for (int p = 0; p < world; ++p) {
+    MEGAMOE_CHECK(got[static_cast<size_t>(p)] == p, kUnsupported, "expert parallelism: rank ", rank,
+                  " reads ", got[static_cast<size_t>(p)], " from rank ", p,
+                  "'s symmetric window instead of its rank: NCCL has no symmetric memory between these GPUs");
+  }
+  for (char*& base : peers_) base += kCheckBytes;  // the caller's part of each window
+}
+
+SymmetricComm::~SymmetricComm() = default;
+
+}  // namespace ep
+}  // namespace megamoe

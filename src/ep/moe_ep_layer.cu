@@ -1,0 +1,287 @@
+// MoeEpLayer (include/megamoe/ep.h): one rank of the expert-parallel layer. The local work runs
+// on the single-GPU pipeline (MoePlan + run, fp32 output); the exchange around it is
+// sm90_ep_exchange.cuh over the symmetric window of ep_comm.h.
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <utility>
+
+#include "ep/ep_comm.h"
+#include "kernels/sm90/sm90_ep_exchange.cuh"
+#include "megamoe/ep.h"
+#include "megamoe/runtime.h"
+#include "megamoe/status.h"
+#include "runtime/cuda_check.h"
+
+namespace megamoe {
+
+namespace k90 = kernels::sm90;
+using gpu::check_cuda;
+
+EpExpertRange ep_expert_range(int64_t num_experts, int world_size, int rank) {
+  MEGAMOE_CHECK(world_size >= 1 && world_size <= k90::kEpMaxRanks && rank >= 0 && rank < world_size,
+                kInvalidArgument, "expert parallelism: rank ", rank, " of world size ", world_size,
+                " is out of range (world size 1..", k90::kEpMaxRanks, ")");
+  MEGAMOE_CHECK(num_experts >= 1 && num_experts % world_size == 0, kInvalidArgument, "expert parallelism: ",
+                num_experts, " routed experts do not split evenly over ", world_size,
+                " ranks; the number of experts must be a multiple of the world size");
+  const int64_t count = num_experts / world_size;
+  return {rank * count, count};
+}
+
+MoeLayer ep_local_layer(const MoeLayer& layer, const EpExpertRange& range) {
+  MEGAMOE_CHECK(range.first >= 0 && range.count >= 1 && range.first + range.count <= layer.num_experts,
+                kInvalidArgument, "ep_local_layer: experts [", range.first, ", ", range.first + range.count,
+                ") are not within the layer's ", layer.num_experts);
+  MoeLayer local;
+  local.hidden_size = layer.hidden_size;
+  local.intermediate_size = layer.intermediate_size;
+  local.num_experts = range.count;
+  local.experts.assign(layer.experts.begin() + range.first, layer.experts.begin() + range.first + range.count);
+  local.shared_expert = layer.shared_expert;
+  local.swiglu_limit = layer.swiglu_limit;
+  // The router (over all E experts) runs where the tokens are, before the dispatch: the local
+  // layer only runs given ids, top_k of them per token (its routing is plain top-k).
+  MEGAMOE_CHECK(range.count >= layer.routing.top_k, kUnsupported, "expert parallelism: ", range.count,
+                " experts per rank is fewer than top_k = ", layer.routing.top_k,
+                "; use fewer ranks (each rank's local layer takes a token's k ids)");
+  local.routing.top_k = layer.routing.top_k;
+  return local;
+}
+
+namespace {
+
+// Device allocations of the layer, freed together.
+struct DeviceAllocs {
+  std::vector<void*> ptrs;
+  size_t bytes = 0;
+  template <class T>
+  T* alloc(size_t count) {
+    void* p = nullptr;
+    check_cuda(cudaMalloc(&p, std::max<size_t>(count, 1) * sizeof(T)), "cudaMalloc(expert-parallel layer)");
+    ptrs.push_back(p);
+    bytes += count * sizeof(T);
+    return static_cast<T*>(p);
+  }
+  ~DeviceAllocs() {
+    for (void* p : ptrs) cudaFree(p);
+  }
+};
+
+int64_t align256(int64_t b) { return (b + 255) / 256 * 256; }
+
+}  // namespace
+
+struct MoeEpLayer::Impl {
+  EpConfig cfg;
+  EpExpertRange range;
+  int64_t num_experts = 0, hidden = 0;
+  int top_k = 0;
+  std::unique_ptr<ep::SymmetricComm> comm;
+  k90::EpWindowLayout layout{};
+  std::optional<MoePlan> routed_plan, shared_plan;
+  std::optional<MoeDeviceWeights> routed_weights, shared_weights;
+  DeviceAllocs mem;
+  void* routed_ws = nullptr;
+  void* shared_ws = nullptr;
+  int32_t* shared_ids = nullptr;  // [max_t] zeros: every token to the shared expert
+  float* shared_w = nullptr;      // [max_t] ones
+  float* local_out = nullptr;     // [R * max_t, H]
+  float* shared_out = nullptr;    // [max_t, H]
+  uint64_t* epochs = nullptr;     // [2]
+  int32_t* invalid = nullptr;     // [1]
+  int32_t* error_host = nullptr;  // host-mapped
+  int32_t* error_dev = nullptr;
+  ~Impl() {
+    if (error_host) cudaFreeHost(error_host);
+  }
+};
+
+MoeEpLayer::MoeEpLayer() : impl_(std::make_unique<Impl>()) {}
+MoeEpLayer::MoeEpLayer(MoeEpLayer&&) noexcept = default;
+MoeEpLayer& MoeEpLayer::operator=(MoeEpLayer&&) noexcept = default;
+MoeEpLayer::~MoeEpLayer() = default;
+const EpConfig& MoeEpLayer::config() const { return impl_->cfg; }
+EpExpertRange MoeEpLayer::experts() const { return impl_->range; }
+
+MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, const EpConfig& config,
+                              const EpUniqueId& id, bool deterministic) {
+  const int R = config.world_size;
+  const EpExpertRange range = ep_expert_range(num_experts, R, config.rank);
+  local_layer.validate();
+  MEGAMOE_CHECK(local_layer.num_experts == range.count, kInvalidArgument, "MoeEpLayer: the local layer holds ",
+                local_layer.num_experts, " experts; rank ", config.rank, " of ", R, " owns ", range.count,
+                " of the ", num_experts, " (ep_local_layer)");
+  const int k = local_layer.routing.top_k;
+  MEGAMOE_CHECK(config.max_tokens_per_rank >= 1 && config.max_tokens_per_rank <= (int64_t{1} << 16), kInvalidArgument,
+                "MoeEpLayer: max_tokens_per_rank = ", config.max_tokens_per_rank, " must be in 1..65536");
+  MEGAMOE_CHECK(config.timeout_seconds > 0 && config.timeout_seconds <= 3600, kInvalidArgument,
+                "MoeEpLayer: timeout_seconds = ", config.timeout_seconds, " must be in (0, 3600]");
+  MoeEpLayer out;
+  Impl& m = *out.impl_;
+  m.cfg = config;
+  m.range = range;
+  m.num_experts = num_experts;
+  m.hidden = local_layer.hidden_size;
+  const int64_t H = m.hidden, max_t = config.max_tokens_per_rank;
+  check_cuda(cudaSetDevice(config.device), "cudaSetDevice");
+
+  // The rank's own experts, on what it receives from every rank (fp32 out).
+  MoeLayer routed = local_layer;
+  routed.shared_expert.reset();
+  MoeProblem rp;
+  rp.hidden_size = H;
+  rp.intermediate_size = local_layer.intermediate_size;
+  rp.num_experts = range.count;
+  rp.top_k = k;
+  rp.max_tokens = R * max_t;
+  rp.swiglu_limit = local_layer.swiglu_limit;
+  rp.deterministic = deterministic;
+  m.routed_plan = MoePlan::create(rp);
+  m.routed_weights = MoeDeviceWeights::upload(routed);
+  m.top_k = k;
+
+  // The shared expert on the rank's own tokens: a one-expert layer, every token's weight 1.
+  if (local_layer.shared_expert) {
+    MoeLayer shared;
+    shared.hidden_size = H;
+    shared.intermediate_size = local_layer.shared_expert->intermediate_size();
+    shared.num_experts = 1;
+    shared.experts = {*local_layer.shared_expert};
+    shared.routing.top_k = 1;
+    shared.swiglu_limit = local_layer.swiglu_limit;
+    MoeProblem sp = MoeProblem::from_layer(shared, max_t);
+    sp.deterministic = deterministic;
+    m.shared_plan = MoePlan::create(sp);
+    m.shared_weights = MoeDeviceWeights::upload(shared);
+    m.shared_ws = m.mem.alloc<uint8_t>(m.shared_plan->workspace_bytes());
+    m.shared_ids = m.mem.alloc<int32_t>(static_cast<size_t>(max_t));
+    m.shared_w = m.mem.alloc<float>(static_cast<size_t>(max_t));
+    m.shared_out = m.mem.alloc<float>(static_cast<size_t>(max_t * H));
+    check_cuda(cudaMemset(m.shared_ids, 0, static_cast<size_t>(max_t) * 4), "cudaMemset");
+    const std::vector<float> ones(static_cast<size_t>(max_t), 1.0f);
+    check_cuda(cudaMemcpy(m.shared_w, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+  }
+  m.routed_ws = m.mem.alloc<uint8_t>(m.routed_plan->workspace_bytes());
+  m.local_out = m.mem.alloc<float>(static_cast<size_t>(R * max_t * H));
+  m.epochs = m.mem.alloc<uint64_t>(2);
+  m.invalid = m.mem.alloc<int32_t>(1);
+  check_cuda(cudaMemset(m.epochs, 0, 16), "cudaMemset");
+  check_cuda(cudaHostAlloc(&m.error_host, sizeof(int32_t), cudaHostAllocMapped), "cudaHostAlloc(error word)");
+  *m.error_host = 0;
+  check_cuda(cudaHostGetDevicePointer(&m.error_dev, m.error_host, 0), "cudaHostGetDevicePointer");
+
+  // The symmetric window: the same layout on every rank.
+  int64_t off = 0;
+  auto take = [&](int64_t bytes) {
+    const int64_t at = off;
+    off += align256(bytes);
+    return at;
+  };
+  m.layout.flags = take(2 * k90::kEpMaxRanks * 8);
+  m.layout.recv_x = take(R * max_t * H * 2);
+  m.layout.recv_ids = take(R * max_t * k * 4);
+  m.layout.recv_w = take(R * max_t * k * 4);
+  m.layout.ret = take(R * max_t * H * 4);
+  m.layout.bytes = off;
+  m.comm = std::make_unique<ep::SymmetricComm>(id, R, config.rank, static_cast<size_t>(off), config.timeout_seconds);
+  check_cuda(cudaDeviceSynchronize(), "MoeEpLayer::create");
+  return out;
+}
+
+size_t MoeEpLayer::device_bytes() const {
+  const Impl& m = *impl_;
+  return m.mem.bytes + m.routed_weights->device_bytes() + (m.shared_weights ? m.shared_weights->device_bytes() : 0) +
+         m.comm->window_bytes();
+}
+
+void MoeEpLayer::run(const MoeRunArgs& args, cudaStream_t stream) {
+  Impl& m = *impl_;
+  const int R = m.cfg.world_size;
+  const int64_t max_t = m.cfg.max_tokens_per_rank, H = m.hidden;
+  MEGAMOE_CHECK(args.tokens >= 0 && args.tokens <= max_t, kInvalidArgument, "MoeEpLayer::run: tokens = ",
+                args.tokens, " must be in 0..max_tokens_per_rank = ", max_t);
+  MEGAMOE_CHECK(args.tokens == 0 || (args.hidden && args.topk_ids && args.topk_weights && args.output), kInvalidArgument,
+                "MoeEpLayer::run: hidden, topk_ids, topk_weights and output must be device pointers, not null");
+  MEGAMOE_CHECK(args.output_f32 == nullptr, kInvalidArgument, "MoeEpLayer::run: the output is bf16 (output)");
+  MEGAMOE_CHECK(reinterpret_cast<uintptr_t>(args.hidden) % 16 == 0 && reinterpret_cast<uintptr_t>(args.output) % 16 == 0,
+                kInvalidArgument, "MoeEpLayer::run: hidden and output must be 16-byte aligned");
+
+  k90::EpExchangeParams p{};
+  const std::vector<char*>& peers = m.comm->peer_bases();
+  for (int r = 0; r < R; ++r) p.peer[r] = peers[static_cast<size_t>(r)];
+  p.layout = m.layout;
+  p.world = R;
+  p.rank = m.cfg.rank;
+  p.max_t = max_t;
+  p.hidden = H;
+  p.top_k = m.top_k;
+  p.experts_per_rank = m.range.count;
+  p.num_experts = m.num_experts;
+  p.x = reinterpret_cast<const __nv_bfloat16*>(args.hidden);
+  p.topk_ids = args.topk_ids;
+  p.topk_w = args.topk_weights;
+  p.tokens = args.tokens;
+  p.invalid_ids = m.invalid;
+  p.local_out = m.local_out;
+  p.shared_out = m.shared_plan ? m.shared_out : nullptr;
+  p.out = reinterpret_cast<__nv_bfloat16*>(args.output);
+  p.epochs = m.epochs;
+  p.error = m.error_dev;
+  p.timeout_ns = static_cast<uint64_t>(m.cfg.timeout_seconds * 1e9);
+
+  const unsigned rows_blocks = static_cast<unsigned>(std::min<int64_t>((R * max_t * 32 + 255) / 256, 1024));
+  check_cuda(cudaMemsetAsync(m.invalid, 0, 4, stream), "cudaMemsetAsync");
+  k90::ep_dispatch_kernel<<<rows_blocks, 256, 0, stream>>>(p);
+  check_cuda(cudaGetLastError(), "ep_dispatch_kernel launch");
+  k90::ep_barrier_kernel<<<1, 32, 0, stream>>>(p, 0);
+  check_cuda(cudaGetLastError(), "ep_barrier_kernel launch");
+
+  // This rank's experts on every row it may have received (rows not sent here carry ids -1).
+  MoeRunArgs local{};
+  local.hidden = reinterpret_cast<const uint16_t*>(peers[static_cast<size_t>(m.cfg.rank)] + m.layout.recv_x);
+  local.topk_ids = reinterpret_cast<const int32_t*>(peers[static_cast<size_t>(m.cfg.rank)] + m.layout.recv_ids);
+  local.topk_weights = reinterpret_cast<const float*>(peers[static_cast<size_t>(m.cfg.rank)] + m.layout.recv_w);
+  local.tokens = R * max_t;
+  local.output_f32 = m.local_out;
+  local.workspace = m.routed_ws;
+  megamoe::run(*m.routed_plan, *m.routed_weights, local, stream);
+  if (m.shared_plan && args.tokens > 0) {
+    MoeRunArgs shared{};
+    shared.hidden = args.hidden;
+    shared.topk_ids = m.shared_ids;
+    shared.topk_weights = m.shared_w;
+    shared.tokens = args.tokens;
+    shared.output_f32 = m.shared_out;
+    shared.workspace = m.shared_ws;
+    megamoe::run(*m.shared_plan, *m.shared_weights, shared, stream);
+  }
+
+  k90::ep_return_kernel<<<rows_blocks, 256, 0, stream>>>(p);
+  check_cuda(cudaGetLastError(), "ep_return_kernel launch");
+  k90::ep_barrier_kernel<<<1, 32, 0, stream>>>(p, 1);
+  check_cuda(cudaGetLastError(), "ep_barrier_kernel launch");
+  if (args.tokens > 0) {
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(args.tokens, 1024));
+    k90::ep_combine_kernel<<<blocks, 256, 0, stream>>>(p);
+    check_cuda(cudaGetLastError(), "ep_combine_kernel launch");
+  }
+}
+
+void MoeEpLayer::check(cudaStream_t stream) const {
+  check_cuda(cudaStreamSynchronize(stream), "MoeEpLayer::check");
+  const int32_t e = *reinterpret_cast<volatile int32_t*>(impl_->error_host);
+  MEGAMOE_CHECK(e == 0, kCuda, "expert parallelism: rank ", impl_->cfg.rank, " waited more than ",
+                impl_->cfg.timeout_seconds, " s at the ", e == 1 ? "dispatch" : "return",
+                " barrier: a peer rank never arrived (it failed, or does not call run() as often); this run's "
+                "outputs are undefined");
+}
+
+int64_t MoeEpLayer::invalid_id_count(cudaStream_t stream) const {
+  int32_t count = 0;
+  check_cuda(cudaMemcpyAsync(&count, impl_->invalid, 4, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  return count;
+}
+
+}  // namespace megamoe

@@ -1,0 +1,195 @@
+// The expert-parallel exchange kernels (include/megamoe/ep.h): dispatch of tokens to the ranks
+// that own their experts, a bounded barrier, the return of weighted fp32 partial sums, and the
+// final combine. Peers' buffers are reached through their symmetric-window base pointers (LSA:
+// plain loads and stores over NVLink), resolved once at setup (src/ep/ep_comm.cu).
+//
+// Each rank's window (EpWindowLayout, identical on every rank):
+//   flags      [2 barriers][R sources] uint64: the epoch a source has reached
+//   recv_x     [R sources][max_t][H] bf16: the tokens each source sent here
+//   recv_ids   [R][max_t][k] int32: their top-k ids as this rank's local expert ids, -1 elsewhere
+//   recv_w     [R][max_t][k] fp32: their routing weights
+//   ret        [R][max_t][H] fp32: this rank's tokens' partial sums, as each rank returns them
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cstdint>
+
+namespace megamoe::kernels::sm90 {
+
+inline constexpr int kEpMaxRanks = 8;
+
+struct EpWindowLayout {
+  int64_t flags, recv_x, recv_ids, recv_w, ret, bytes;
+};
+
+struct EpExchangeParams {
+  char* peer[kEpMaxRanks];  // every rank's window base, this rank's included
+  EpWindowLayout layout;
+  int32_t world, rank;
+  int64_t max_t;            // rows per source in the receive buffers
+  int64_t hidden;           // H, a multiple of 8
+  int32_t top_k;
+  int64_t experts_per_rank;  // E / R
+  int64_t num_experts;       // E
+  // This rank's run.
+  const __nv_bfloat16* x;   // [T, H]
+  const int32_t* topk_ids;  // [T, k] global ids
+  const float* topk_w;      // [T, k]
+  int64_t tokens;           // T of this rank
+  int32_t* invalid_ids;     // counter of ids outside [0, E), zeroed before each dispatch
+  // Local results.
+  const float* local_out;   // [R * max_t, H] fp32: this rank's experts on what it received
+  const float* shared_out;  // [max_t, H] fp32: the shared expert on this rank's tokens, or null
+  __nv_bfloat16* out;       // [T, H] bf16
+  // Barrier state.
+  uint64_t* epochs;         // [2] this rank's barrier epochs (device memory)
+  int32_t* error;           // host-mapped: nonzero once a barrier timed out
+  uint64_t timeout_ns;
+};
+
+namespace ep_detail {
+
+__device__ __forceinline__ int owner_of(int64_t id, const EpExchangeParams& p) {
+  return id >= 0 && id < p.num_experts ? static_cast<int>(id / p.experts_per_rank) : -1;
+}
+
+__device__ __forceinline__ void store_release_sys(uint64_t* ptr, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;\n" :: "l"(ptr), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* ptr) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];\n" : "=l"(v) : "l"(ptr) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+
+}  // namespace ep_detail
+
+// One warp per (token row t < max_t, destination d): rows of tokens that hold an expert of d are
+// copied to d's recv_x (once, however many of d's experts they chose), their ids mapped to d's
+// local ids; every other row's ids become -1 there, so d's local layer skips it (the receive
+// buffers persist between runs).
+__global__ void __launch_bounds__(256) ep_dispatch_kernel(EpExchangeParams p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  const int64_t rows = p.max_t * p.world;
+  for (int64_t item = warp; item < rows; item += warps) {
+    const int d = static_cast<int>(item % p.world);
+    const int64_t t = item / p.world;
+    char* const base = p.peer[d];
+    const int64_t row = static_cast<int64_t>(p.rank) * p.max_t + t;  // this rank's block at d
+    int32_t* ids = reinterpret_cast<int32_t*>(base + p.layout.recv_ids) + row * p.top_k;
+    float* w = reinterpret_cast<float*>(base + p.layout.recv_w) + row * p.top_k;
+    int32_t local = -1;
+    float weight = 0.0f;
+    if (t < p.tokens && lane < p.top_k) {
+      const int32_t id = p.topk_ids[t * p.top_k + lane];
+      const int owner = ep_detail::owner_of(id, p);
+      if (owner < 0 && d == 0) atomicAdd(p.invalid_ids, 1);
+      if (owner == d) {
+        local = static_cast<int32_t>(id - d * p.experts_per_rank);
+        weight = p.topk_w[t * p.top_k + lane];
+      }
+    }
+    if (lane < p.top_k) {
+      ids[lane] = local;
+      w[lane] = weight;
+    }
+    if (__any_sync(0xffffffffu, local >= 0)) {
+      const uint4* src = reinterpret_cast<const uint4*>(p.x + t * p.hidden);
+      uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(base + p.layout.recv_x) + row * p.hidden);
+      for (int64_t i = lane; i < p.hidden / 8; i += 32) dst[i] = src[i];
+    }
+  }
+  // The stores to the peers precede the barrier kernel's release (next on the stream).
+  __threadfence_system();
+}
+
+// Barrier `which` (0: after dispatch, 1: after return) over all ranks, one thread: publish this
+// rank's next epoch in every peer's flag slot, then wait for every peer's, up to timeout_ns.
+// Epochs live in device memory and advance once per run, so graph replays stay in step as long
+// as every rank replays the same graph. On timeout the error word is set and the run goes on
+// with undefined outputs: MoeEpLayer::check reports it.
+__global__ void ep_barrier_kernel(EpExchangeParams p, int which) {
+  if (threadIdx.x != 0) return;
+  __threadfence_system();
+  const uint64_t epoch = p.epochs[which] + 1;
+  for (int d = 0; d < p.world; ++d) {
+    uint64_t* flag = reinterpret_cast<uint64_t*>(p.peer[d] + p.layout.flags) + which * kEpMaxRanks + p.rank;
+    ep_detail::store_release_sys(flag, epoch);
+  }
+  const uint64_t* mine = reinterpret_cast<const uint64_t*>(p.peer[p.rank] + p.layout.flags) + which * kEpMaxRanks;
+  const uint64_t start = ep_detail::global_timer_ns();
+  for (int s = 0; s < p.world; ++s) {
+    while (static_cast<int64_t>(ep_detail::load_acquire_sys(mine + s) - epoch) < 0) {
+      if (ep_detail::global_timer_ns() - start > p.timeout_ns) {
+        atomicExch(p.error, 1 + which);
+        __threadfence_system();
+        s = p.world;  // give up on the rest: the outputs of this run are undefined
+        break;
+      }
+      __nanosleep(256);
+    }
+  }
+  p.epochs[which] = epoch;
+}
+
+// One warp per received row: a row that held any of this rank's experts gets its weighted fp32
+// partial sum (local_out) written back into its source rank's `ret` block of this rank.
+__global__ void __launch_bounds__(256) ep_return_kernel(EpExchangeParams p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  const int32_t* recv_ids = reinterpret_cast<const int32_t*>(p.peer[p.rank] + p.layout.recv_ids);
+  for (int64_t row = warp; row < p.max_t * p.world; row += warps) {
+    const bool mine = lane < p.top_k && recv_ids[row * p.top_k + lane] >= 0;
+    if (!__any_sync(0xffffffffu, mine)) continue;
+    const int s = static_cast<int>(row / p.max_t);
+    const int64_t t = row % p.max_t;
+    const float4* src = reinterpret_cast<const float4*>(p.local_out + row * p.hidden);
+    float4* dst = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.peer[s] + p.layout.ret) +
+                                            (static_cast<int64_t>(p.rank) * p.max_t + t) * p.hidden);
+    for (int64_t i = lane; i < p.hidden / 4; i += 32) dst[i] = src[i];
+  }
+  __threadfence_system();
+}
+
+// One CTA per token of this rank: Σ over the ranks that hold any of its experts, in rank order,
+// of their partial sums, then the shared expert, rounded to bf16 once.
+__global__ void __launch_bounds__(256) ep_combine_kernel(EpExchangeParams p) {
+  __shared__ uint32_t dest_mask;
+  const float* ret = reinterpret_cast<const float*>(p.peer[p.rank] + p.layout.ret);
+  for (int64_t t = blockIdx.x; t < p.tokens; t += gridDim.x) {
+    if (threadIdx.x == 0) dest_mask = 0;
+    __syncthreads();
+    if (threadIdx.x < p.top_k) {
+      const int owner = ep_detail::owner_of(p.topk_ids[t * p.top_k + threadIdx.x], p);
+      if (owner >= 0) atomicOr(&dest_mask, 1u << owner);
+    }
+    __syncthreads();
+    const uint32_t mask = dest_mask;
+    for (int64_t v = threadIdx.x; v < p.hidden / 4; v += blockDim.x) {
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int d = 0; d < p.world; ++d) {
+        if (!(mask >> d & 1u)) continue;
+        const float4 y = reinterpret_cast<const float4*>(ret + (static_cast<int64_t>(d) * p.max_t + t) * p.hidden)[v];
+        sum.x += y.x; sum.y += y.y; sum.z += y.z; sum.w += y.w;
+      }
+      if (p.shared_out != nullptr) {
+        const float4 y = reinterpret_cast<const float4*>(p.shared_out + t * p.hidden)[v];
+        sum.x += y.x; sum.y += y.y; sum.z += y.z; sum.w += y.w;
+      }
+      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(p.out + t * p.hidden + 4 * v);
+      o[0] = __floats2bfloat162_rn(sum.x, sum.y);
+      o[1] = __floats2bfloat162_rn(sum.z, sum.w);
+    }
+    __syncthreads();  // dest_mask is rewritten for the next token
+  }
+}
+
+}  // namespace megamoe::kernels::sm90
