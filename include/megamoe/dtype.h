@@ -1,8 +1,8 @@
 // Element types as they appear in safetensors files, and exact bf16/f16 conversions.
 #pragma once
 
+#include <bit>
 #include <cstdint>
-#include <cstring>
 #include <optional>
 #include <string_view>
 
@@ -17,15 +17,9 @@ const char* dtype_name(DType t);
 std::optional<DType> dtype_from_name(std::string_view name);
 
 // bf16 <-> f32. to_bf16 rounds to nearest even; NaN stays NaN (quiet), infinities stay.
-inline float bf16_to_f32(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline float bf16_to_f32(uint16_t h) { return std::bit_cast<float>(static_cast<uint32_t>(h) << 16); }
 inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
+  uint32_t u = std::bit_cast<uint32_t>(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);  // NaN
   u += 0x7fffu + ((u >> 16) & 1u);
   return static_cast<uint16_t>(u >> 16);

@@ -1,22 +1,10 @@
-// Bit-level helpers shared by the host codecs (src/core/dtype.cpp, src/format/format.cpp).
+// Bit-level helpers shared by the host codecs (src/core/dtype.cpp, src/format/format.cpp). Bit
+// casts between float and its bits are std::bit_cast everywhere (and in include/megamoe/dtype.h).
 #pragma once
 
 #include <cstdint>
-#include <cstring>
 
 namespace megamoe::detail {
-
-inline uint32_t f32_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-inline float f32_from_bits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 // m / 2^s rounded to nearest, ties to even, in integers (so the result does not depend on the
 // floating-point rounding mode). s >= 32 only happens for magnitudes far below half the target

@@ -1,5 +1,6 @@
 #include "megamoe/dtype.h"
 
+#include <bit>
 #include <cstdint>
 #include <cstring>
 
@@ -8,8 +9,6 @@
 
 namespace megamoe {
 
-using detail::f32_bits;
-using detail::f32_from_bits;
 using detail::shift_right_rne;
 
 int dtype_size(DType t) {
@@ -66,20 +65,20 @@ float f16_to_f32(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exp = (h >> 10) & 0x1Fu;
   const uint32_t man = h & 0x3FFu;
-  if (exp == 0x1F) return f32_from_bits(sign | 0x7F800000u | (man << 13));
+  if (exp == 0x1F) return std::bit_cast<float>(sign | 0x7F800000u | (man << 13));
   if (exp == 0) {
     // man * 2^-24: man < 2^10 converts exactly and the product is a power-of-two scaling.
     const float mag = static_cast<float>(man) * 0x1p-24f;
     return sign ? -mag : mag;
   }
-  return f32_from_bits(sign | ((exp + (127 - 15)) << 23) | (man << 13));
+  return std::bit_cast<float>(sign | ((exp + (127 - 15)) << 23) | (man << 13));
 }
 
 // Round to nearest even; magnitudes at or above 65520 (the midpoint between 65504, the largest
 // half, and 2^16) become infinity, as IEEE requires. NaN stays NaN, made quiet, sign and the top
 // payload bits kept.
 uint16_t f32_to_f16(float f) {
-  const uint32_t u = f32_bits(f);
+  const uint32_t u = std::bit_cast<uint32_t>(f);
   const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
   const uint32_t a = u & 0x7FFFFFFFu;
   if (a > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((a >> 13) & 0x3FFu));

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -19,7 +20,6 @@ namespace megamoe::format {
 
 namespace {
 
-using detail::f32_bits;
 using detail::shift_right_rne;
 
 // 2^e for small |e|, by repeated exact doubling/halving so it can run at compile time.
@@ -209,13 +209,13 @@ uint8_t f32_to_e2m1(float x) {
 float e4m3_to_f32(uint8_t code) { return kE4m3Values[code]; }
 
 uint8_t f32_to_e4m3(float x) {
-  const uint32_t u = f32_bits(x);
+  const uint32_t u = std::bit_cast<uint32_t>(x);
   const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
   const uint32_t a = u & 0x7FFFFFFFu;
   if (a > 0x7F800000u) return 0x7F;
   // 448 = 0x7E is the largest finite code. Values in (448, 464] would round to it anyway; larger
   // ones (and infinity) would round to 480, which e4m3fn does not have: saturate.
-  if (a >= f32_bits(kE4m3Max)) return static_cast<uint8_t>(sign | 0x7E);
+  if (a >= std::bit_cast<uint32_t>(kE4m3Max)) return static_cast<uint8_t>(sign | 0x7E);
   const int exp = static_cast<int>(a >> 23) - 127;
   if (exp >= -6) {
     // e4m3 normal range [2^-6, 448): re-bias the exponent (127 -> 7), then round the 23-bit
@@ -358,7 +358,7 @@ void decode_unscaled(const Nvfp4View& w, Emit&& emit) {
 // midpoints below the normal range are still fp32 numbers.
 inline uint16_t product_to_bf16(float m, float s2) {
   const float f = m * s2;
-  const uint32_t u = f32_bits(f);
+  const uint32_t u = std::bit_cast<uint32_t>(f);
   if ((u & 0xFFFFu) != 0x8000u) return f32_to_bf16(f);
   const double exact = static_cast<double>(m) * static_cast<double>(s2);
   const double fd = static_cast<double>(f);
