@@ -26,7 +26,9 @@
 #include <vector>
 
 #include "megamoe/checkpoint.h"
+#if MEGAMOE_HAS_CUDA
 #include "megamoe/gpu.h"
+#endif
 #include "megamoe/dtype.h"
 #include "megamoe/format.h"
 #include "megamoe/presets.h"
@@ -70,6 +72,15 @@ ToolResult run_tool(const std::string& args) {
 }
 
 std::string q(const fs::path& p) { return "'" + p.string() + "'"; }
+
+// A CUDA device this build can use: never in a CPU-only build (MEGAMOE_CUDA=OFF).
+int gpu_count() {
+#if MEGAMOE_HAS_CUDA
+  return megamoe::gpu::device_count();
+#else
+  return 0;
+#endif
+}
 
 template <typename T>
 std::span<const uint8_t> bytes_of(const std::vector<T>& v) {
@@ -446,6 +457,7 @@ TEST_F(SynthCheckpoint, RejectsBadOptionsAndPresets) {
 // ---- the tool: bench options that are rejected before any GPU work -----------------------------
 
 TEST(ToolBench, RejectsOptionsThatDoNotApply) {
+  if (!MEGAMOE_HAS_CUDA) GTEST_SKIP() << "CPU-only build: `megamoe bench` is not built";
   // --shared-experts and --num-experts shape a synthesized layer, not a given checkpoint.
   ToolResult r = run_tool("bench --checkpoint /nonexistent --shared-experts 0");
   EXPECT_NE(r.code, 0) << r.output;
@@ -561,7 +573,7 @@ TEST_F(ToolSynth, InspectFindsFormatAndLayer) {
 // `megamoe run` (GPU) against `megamoe reference` (CPU) on the same checkpoint and inputs. Needs a
 // Hopper GPU; skipped (visibly) elsewhere.
 TEST_F(ToolSynth, RunOnGpuMatchesReference) {
-  if (megamoe::gpu::device_count() == 0) {
+  if (gpu_count() == 0) {
     GTEST_SKIP() << "no CUDA device: `megamoe run` test skipped (run it on the GPU machine)";
   }
   ASSERT_NO_FATAL_FAILURE(synth());
@@ -606,7 +618,7 @@ TEST_F(ToolSynth, RunOnGpuMatchesReference) {
 // tokens per expert): the others are reported as skipped with the reason, the rest are timed and
 // checked, and the run succeeds. Needs a Hopper GPU; skipped (visibly) elsewhere.
 TEST_F(ToolSynth, BenchSkipsPointsAnOverrideCannotRun) {
-  if (megamoe::gpu::device_count() == 0) {
+  if (gpu_count() == 0) {
     GTEST_SKIP() << "no CUDA device: `megamoe bench` test skipped (run it on the GPU machine)";
   }
   ASSERT_NO_FATAL_FAILURE(synth());
@@ -655,7 +667,7 @@ TEST_F(ToolSynth, BenchSkipsPointsAnOverrideCannotRun) {
 // draws others. (On a given checkpoint the baseline adds no draw: the cosine check runs only on a
 // layer the bench synthesizes.) Needs a Hopper GPU; skipped (visibly) elsewhere.
 TEST_F(ToolSynth, BenchPointInputsDependOnSeedAndTOnly) {
-  if (megamoe::gpu::device_count() == 0) {
+  if (gpu_count() == 0) {
     GTEST_SKIP() << "no CUDA device: `megamoe bench` test skipped (run it on the GPU machine)";
   }
   ASSERT_NO_FATAL_FAILURE(synth());
@@ -1095,6 +1107,20 @@ TEST_F(ToolQuantize, RejectsBadInputs) {
                  {"'llama'", "deepseek-v3", "deepseek-v4-flash", "kimi-k2", "qwen3-235b-a22b",
                   "qwen3-30b-a3b"});
   expect_failure("synth", "--preset qwen3-30b-a3b --num-experts -3 " + q(dir_ / "s"), {"-3"});
+}
+
+// A CPU-only build keeps `run` and `bench` as commands that say the build has no CUDA, whatever
+// their arguments; a CUDA build parses them for real (no such message).
+TEST(ToolCommandLine, GpuCommandsWithoutCuda) {
+  for (const char* cmd : {"run --checkpoint /nonexistent --layer 0 --input a --output b",
+                          "bench --tokens 1 --bogus-option"}) {
+    const ToolResult r = run_tool(cmd);
+    SCOPED_TRACE(cmd);
+    EXPECT_NE(r.code, 0) << r.output;
+    const bool says_no_cuda = r.output.find("built without CUDA") != std::string::npos;
+    EXPECT_EQ(says_no_cuda, !MEGAMOE_HAS_CUDA) << r.output;
+    if (!MEGAMOE_HAS_CUDA) EXPECT_EQ(r.code, 1) << r.output;
+  }
 }
 
 TEST(ToolCommandLine, HelpAndParseErrors) {
