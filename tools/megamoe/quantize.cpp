@@ -5,11 +5,11 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <regex>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "checkpoint/name_pattern.h"
 #include "commands.h"
 #include "megamoe/format.h"
 #include "megamoe/safetensors.h"
@@ -32,14 +32,11 @@ constexpr std::string_view kWeightSuffix = ".weight";
 constexpr int64_t kChunkElements = int64_t(8) << 20;
 constexpr uint64_t kCopyChunkBytes = uint64_t(64) << 20;
 
-std::optional<std::regex> compile_regex(const std::string& text, const char* option) {
+// Names are matched by NamePattern (linear time, no recursion): a user's pattern must not
+// backtrack forever, nor a 200,000-character tensor name overflow the stack.
+std::optional<NamePattern> compile_pattern(const std::string& text, const char* option) {
   if (text.empty()) return std::nullopt;
-  try {
-    return std::regex(text, std::regex::ECMAScript);
-  } catch (const std::regex_error& e) {
-    MEGAMOE_FAIL(kInvalidArgument, option, " '", text,
-                 "' is not a valid ECMAScript regular expression (", e.what(), ").");
-  }
+  return NamePattern::compile(text, option);
 }
 
 // A tensor the recipe applies to: a 2-D float `*.weight` whose K is a whole number of blocks.
@@ -112,8 +109,8 @@ void quantize_tensor(const SafetensorsFile& in, const TensorInfo& t, Safetensors
 
 void run_quantize(const QuantizeArgs& args) {
   check_distinct_files(args.input, args.output);
-  const std::optional<std::regex> include = compile_regex(args.include, "--include");
-  const std::optional<std::regex> exclude = compile_regex(args.exclude, "--exclude");
+  const std::optional<NamePattern> include = compile_pattern(args.include, "--include");
+  const std::optional<NamePattern> exclude = compile_pattern(args.exclude, "--exclude");
   const std::shared_ptr<const SafetensorsFile> in = SafetensorsFile::open(args.input);
 
   std::set<std::string> input_names;
@@ -124,8 +121,8 @@ void run_quantize(const QuantizeArgs& args) {
   uint64_t total_bytes = 0;
   size_t quantized = 0;
   for (const TensorInfo& t : in->tensors()) {
-    const bool selected = (!include || std::regex_search(t.name, *include)) &&
-                          !(exclude && std::regex_search(t.name, *exclude));
+    const bool selected = (!include || include->search(t.name)) &&
+                          !(exclude && exclude->search(t.name));
     const bool quantize = selected && is_quantizable(t);
     plan.push_back({&t, quantize});
     total_bytes += t.nbytes();
@@ -183,9 +180,11 @@ Command add_quantize_command(CLI::App& parent) {
   app->add_option("input", args->input, "input .safetensors file")->required();
   app->add_option("output", args->output, "output .safetensors file")->required();
   app->add_option("--include", args->include,
-                  "quantize only tensors whose name matches this regex (std::regex_search)");
+                  "quantize only tensors whose name matches this regex (searched anywhere in the "
+                  "name; the ECMAScript subset of the README)");
   app->add_option("--exclude", args->exclude,
-                  "do not quantize tensors whose name matches this regex (std::regex_search)");
+                  "do not quantize tensors whose name matches this regex (searched anywhere in "
+                  "the name; the ECMAScript subset of the README)");
   return {app, [args] { run_quantize(*args); }};
 }
 
