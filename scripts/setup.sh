@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Installs every build and test dependency of nvfp4-megamoe on a fresh Debian 12 machine with the
-# CUDA 13 toolkit: Debian packages (compiler tools, GoogleTest, nlohmann-json, CLI11) and the
-# CUTLASS/CuTe C++ headers from the pinned `nvidia-cutlass` PyPI wheel (hash-checked; only the
-# headers are unpacked, into the git-ignored third_party/cutlass).
+# CUDA 13 toolkit: Debian packages (compiler tools, GoogleTest, nlohmann-json, CLI11; clang with
+# its sanitizer and libFuzzer runtimes for the sanitizer build and the fuzz run of
+# scripts/test.sh) and the CUTLASS/CuTe C++ headers from the pinned `nvidia-cutlass` PyPI wheel
+# (hash-checked; only the headers are unpacked, into the git-ignored third_party/cutlass).
+# Without a CUDA toolkit it prepares a CPU-only build (CMake then defaults to MEGAMOE_CUDA=OFF)
+# and skips CUTLASS, which only the device code needs.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -14,7 +17,8 @@ CUTLASS_DIR="${ROOT}/third_party/cutlass"
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
 
-DEBS=(cmake ninja-build g++ libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev unzip python3-pip)
+DEBS=(cmake ninja-build g++ libgtest-dev libgmock-dev nlohmann-json3-dev libcli11-dev unzip python3-pip
+      clang libclang-rt-14-dev)
 missing=()
 for p in "${DEBS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -25,9 +29,11 @@ if [ "${#missing[@]}" -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
+have_cuda=1
 if ! command -v nvcc >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/nvcc ]; then
-  echo "setup: the CUDA 13 toolkit (nvcc) is required and was not found in PATH or /usr/local/cuda" >&2
-  exit 1
+  echo "setup: no CUDA toolkit (nvcc in PATH or /usr/local/cuda): only the CPU-only build" \
+       "(MEGAMOE_CUDA=OFF) is possible here; the GPU code needs the CUDA 13 toolkit" >&2
+  have_cuda=0
 fi
 
 # The nlohmann-json headers of the Debian package, vendored into the git-ignored
@@ -43,7 +49,7 @@ if [ "$(cat "${NLOHMANN_DIR}/.version" 2>/dev/null)" != "${nlohmann_version}" ];
 fi
 
 stamp="${CUTLASS_DIR}/.version"
-if [ "$(cat "$stamp" 2>/dev/null)" != "${CUTLASS_VERSION}" ]; then
+if [ "${have_cuda}" = 1 ] && [ "$(cat "$stamp" 2>/dev/null)" != "${CUTLASS_VERSION}" ]; then
   tmp="$(mktemp -d)"
   trap 'rm -rf "$tmp"' EXIT
   echo "setup: fetching CUTLASS ${CUTLASS_VERSION} headers (PyPI nvidia-cutlass)" >&2
@@ -59,4 +65,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "${CUTLASS_VERSION}" ]; then
   mv "$tmp/x/cutlass_library/source/include" "${CUTLASS_DIR}/include"
   echo "${CUTLASS_VERSION}" > "$stamp"
 fi
-echo "setup: dependencies ready (CUTLASS headers in ${CUTLASS_DIR}/include)" >&2
+if [ "${have_cuda}" = 1 ]; then
+  echo "setup: dependencies ready (CUTLASS headers in ${CUTLASS_DIR}/include)" >&2
+else
+  echo "setup: dependencies of the CPU-only build ready" >&2
+fi
