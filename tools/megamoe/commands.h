@@ -92,7 +92,6 @@ void check_output_is_not_an_input(const std::string& out, const std::vector<std:
 
 // The files a checkpoint at `path` is read from: its safetensors files and, for a directory,
 // config.json, hf_quant_config.json and model.safetensors.index.json where they exist.
-std::vector<std::string> checkpoint_input_files(const std::string& path);
 std::vector<std::string> checkpoint_input_files(const Checkpoint& ckpt);
 
 // The NVFP4 linear whose packed codes `t` holds, if any: a ModelOpt `base.weight` (U8, with an

@@ -132,10 +132,6 @@ std::vector<std::string> checkpoint_input_files(const Checkpoint& ckpt) {
   return files;
 }
 
-std::vector<std::string> checkpoint_input_files(const std::string& path) {
-  return checkpoint_input_files(Checkpoint::open(path));
-}
-
 namespace {
 std::optional<std::string> strip_suffix(const std::string& name, std::string_view suffix) {
   if (name.size() <= suffix.size() || !name.ends_with(suffix)) return std::nullopt;

@@ -67,7 +67,9 @@ LayerJob load_layer_job(const std::string& checkpoint, int64_t layer_index, cons
   LayerJob job;
   job.layer_index = layer_index;
   const ModelConfig config = load_model_config(checkpoint);
-  job.layer = load_moe_layer(Checkpoint::open(checkpoint), config, layer_index);
+  const Checkpoint ckpt = Checkpoint::open(checkpoint);
+  job.layer = load_moe_layer(ckpt, config, layer_index);
+  job.input_files = checkpoint_input_files(ckpt);
   const MoeLayer& layer = job.layer;
   const int64_t H = layer.hidden_size;
 
@@ -95,7 +97,6 @@ LayerJob load_layer_job(const std::string& checkpoint, int64_t layer_index, cons
                   " at [", int64_t(i) / H, ", ", int64_t(i) % H,
                   "]; the layer input must be finite.");
   }
-  job.input_files = checkpoint_input_files(checkpoint);
   job.input_files.push_back(input);
 
   const TensorInfo* ids = x->find("topk_ids");
