@@ -53,7 +53,7 @@ Checkpoint Checkpoint::open(const std::string& path) {
     ckpt.files_.push_back(SafetensorsFile::open(path));
     for (const TensorInfo& t : ckpt.files_[0]->tensors()) ckpt.where_.emplace_back(t.name, 0);
   } else if (const fs::path index_path = fs::path(path) / kIndexName; fs::exists(index_path, ec)) {
-    const json index = read_json_file(index_path);
+    const json index = read_json_file(index_path, "shard index");
     MEGAMOE_CHECK(index.is_object() && index.contains("weight_map") &&
                       index["weight_map"].is_object(),
                   kInvalidCheckpoint, "'", index_path.string(),
@@ -70,7 +70,8 @@ Checkpoint Checkpoint::open(const std::string& path) {
       auto it = shard_index.find(shard);
       if (it == shard_index.end()) {
         const fs::path shard_path = fs::path(path) / shard;
-        MEGAMOE_CHECK(fs::is_regular_file(shard_path, ec), kNotFound, "shard '", shard_path.string(),
+        // Only existence here: SafetensorsFile::open rejects a directory or FIFO as such.
+        MEGAMOE_CHECK(fs::exists(shard_path, ec), kNotFound, "shard '", shard_path.string(),
                       "' named in '", index_path.string(), "' (for tensor '", tensor,
                       "') does not exist.");
         ckpt.files_.push_back(SafetensorsFile::open(shard_path.string()));

@@ -24,7 +24,12 @@ constexpr const char* kDeepseekV3 = "DeepseekV3ForCausalLM";
 constexpr const char* kQwen3Moe = "Qwen3MoeForCausalLM";
 constexpr const char* kSupportedArchitectures = "DeepseekV3ForCausalLM, Qwen3MoeForCausalLM";
 constexpr int kIntMax = std::numeric_limits<int>::max();
+// The widest hidden_size / moe_intermediate_size accepted (real models: at most tens of
+// thousands). The bound keeps every product the loader and the reference form from these
+// (n_shared_experts x I, E x H, T x H, ...) far from int64 overflow.
+constexpr int64_t kMaxWidth = int64_t(1) << 24;
 
+using checkpoint_detail::json_brief;
 using checkpoint_detail::read_json_file;
 
 // Typed access to the fields of one JSON object, with messages naming the file and the field.
@@ -48,7 +53,7 @@ class Fields {
     const bool fits = v.is_number_integer() &&
                       !(v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX));
     MEGAMOE_CHECK(fits, kInvalidCheckpoint, "'", file_, "': field '", scope_, key,
-                  "' must be an integer, but is ", v.dump(), ".");
+                  "' must be an integer, but is ", json_brief(v), ".");
     const int64_t x = v.get<int64_t>();
     MEGAMOE_CHECK(x >= lo && x <= hi, kInvalidCheckpoint, "'", file_, "': field '", scope_, key,
                   "' is ", x, "; allowed: ", lo, " to ", hi, ".");
@@ -62,10 +67,10 @@ class Fields {
   float positive_number(const char* key) const {
     const json& v = required(key);
     MEGAMOE_CHECK(v.is_number(), kInvalidCheckpoint, "'", file_, "': field '", scope_, key,
-                  "' must be a number, but is ", v.dump(), ".");
+                  "' must be a number, but is ", json_brief(v), ".");
     const double x = v.get<double>();
     MEGAMOE_CHECK(std::isfinite(x) && x > 0.0 && x <= std::numeric_limits<float>::max(),
-                  kInvalidCheckpoint, "'", file_, "': field '", scope_, key, "' is ", v.dump(),
+                  kInvalidCheckpoint, "'", file_, "': field '", scope_, key, "' is ", json_brief(v),
                   "; it must be a finite number > 0.");
     return static_cast<float>(x);
   }
@@ -74,14 +79,14 @@ class Fields {
     if (!has(key)) return fallback;
     const json& v = obj_[key];
     MEGAMOE_CHECK(v.is_boolean(), kInvalidCheckpoint, "'", file_, "': field '", scope_, key,
-                  "' must be true or false, but is ", v.dump(), ".");
+                  "' must be true or false, but is ", json_brief(v), ".");
     return v.get<bool>();
   }
 
   std::string string(const char* key) const {
     const json& v = required(key);
     MEGAMOE_CHECK(v.is_string(), kInvalidCheckpoint, "'", file_, "': field '", scope_, key,
-                  "' must be a string, but is ", v.dump(), ".");
+                  "' must be a string, but is ", json_brief(v), ".");
     return v.get<std::string>();
   }
   std::string string_or(const char* key, const std::string& fallback) const {
@@ -91,7 +96,7 @@ class Fields {
   const json& object(const char* key) const {
     const json& v = required(key);
     MEGAMOE_CHECK(v.is_object(), kInvalidCheckpoint, "'", file_, "': field '", scope_, key,
-                  "' must be a JSON object, but is ", v.dump(), ".");
+                  "' must be a JSON object, but is ", json_brief(v), ".");
     return v;
   }
 
@@ -117,7 +122,7 @@ void check_group_size(const Fields& f, const char* key) {
 // config.json "quantization_config".
 QuantFormat parse_quantization_config(const json& qc, const std::string& file) {
   MEGAMOE_CHECK(qc.is_object(), kInvalidCheckpoint, "'", file,
-                "': field 'quantization_config' must be a JSON object, but is ", qc.dump(), ".");
+                "': field 'quantization_config' must be a JSON object, but is ", json_brief(qc), ".");
   const Fields f(qc, file, "quantization_config.");
   const std::string method = f.string("quant_method");
   if (method == "modelopt") {
@@ -144,7 +149,7 @@ QuantFormat parse_quantization_config(const json& qc, const std::string& file) {
     for (const auto& [name, group] : groups.items()) {
       const std::string scope = "quantization_config.config_groups." + name + ".";
       MEGAMOE_CHECK(group.is_object(), kInvalidCheckpoint, "'", file, "': field '", scope,
-                    "' must be a JSON object, but is ", group.dump(), ".");
+                    "' must be a JSON object, but is ", json_brief(group), ".");
       const Fields g(group, file, scope);
       const Fields w(g.object("weights"), file, scope + "weights.");
       const int64_t bits = w.integer("num_bits", 1, 64);
@@ -166,7 +171,7 @@ QuantFormat parse_quantization_config(const json& qc, const std::string& file) {
 // "exclude_modules": [...]}}.
 QuantFormat parse_hf_quant_config(const json& root, const std::string& file) {
   MEGAMOE_CHECK(root.is_object(), kInvalidCheckpoint, "'", file,
-                "' must hold a JSON object, but holds ", root.dump(), ".");
+                "' must hold a JSON object, but holds ", json_brief(root), ".");
   const json& q = Fields(root, file).object("quantization");
   const Fields f(q, file, "quantization.");
   const std::string algo = f.string("quant_algo");
@@ -179,14 +184,14 @@ QuantFormat parse_hf_quant_config(const json& root, const std::string& file) {
     for (const json& m : ex) all_strings = all_strings && m.is_string();
     MEGAMOE_CHECK(all_strings, kInvalidCheckpoint, "'", file,
                   "': field 'quantization.exclude_modules' must be an array of strings, but is ",
-                  ex.dump(), ".");
+                  json_brief(ex), ".");
   }
   return QuantFormat::kModelOptNvfp4;
 }
 
 void load_deepseek_v3(const Fields& f, ModelConfig& c) {
-  c.hidden_size = f.integer("hidden_size", 1, INT64_MAX);
-  c.moe_intermediate_size = f.integer("moe_intermediate_size", 1, INT64_MAX);
+  c.hidden_size = f.integer("hidden_size", 1, kMaxWidth);
+  c.moe_intermediate_size = f.integer("moe_intermediate_size", 1, kMaxWidth);
   c.num_experts = f.integer("n_routed_experts", 1, kIntMax);
   c.num_experts_per_tok = static_cast<int>(f.integer("num_experts_per_tok", 1, kIntMax));
   c.num_hidden_layers = f.integer("num_hidden_layers", 1, INT64_MAX);
@@ -224,8 +229,8 @@ void load_deepseek_v3(const Fields& f, ModelConfig& c) {
 }
 
 void load_qwen3_moe(const Fields& f, const json& obj, ModelConfig& c) {
-  c.hidden_size = f.integer("hidden_size", 1, INT64_MAX);
-  c.moe_intermediate_size = f.integer("moe_intermediate_size", 1, INT64_MAX);
+  c.hidden_size = f.integer("hidden_size", 1, kMaxWidth);
+  c.moe_intermediate_size = f.integer("moe_intermediate_size", 1, kMaxWidth);
   // transformers 4 writes the expert count as `num_experts`, transformers 5 as
   // `num_local_experts`; accept either.
   c.num_experts = f.has("num_experts") || !f.has("num_local_experts")
@@ -247,7 +252,7 @@ void load_qwen3_moe(const Fields& f, const json& obj, ModelConfig& c) {
     }
     MEGAMOE_CHECK(ok, kInvalidCheckpoint, "'", f.file(),
                   "': field 'mlp_only_layers' must be an array of non-negative layer indices, but "
-                  "is ", layers.dump(), ".");
+                  "is ", json_brief(layers), ".");
     for (const json& l : layers) c.mlp_only_layers.push_back(l.get<int64_t>());
   }
   c.scoring_func = "softmax";
@@ -299,18 +304,16 @@ RoutingConfig ModelConfig::routing() const {
 ModelConfig load_model_config(const std::string& dir) {
   const fs::path config_path = fs::path(dir) / "config.json";
   std::error_code ec;
-  MEGAMOE_CHECK(fs::is_regular_file(config_path, ec), kNotFound, "model config '",
-                config_path.string(), "' does not exist.");
-  const json root = read_json_file(config_path);
+  const json root = read_json_file(config_path, "model config");
   const std::string file = config_path.string();
   MEGAMOE_CHECK(root.is_object(), kInvalidCheckpoint, "'", file,
-                "' must hold a JSON object, but holds ", root.dump(), ".");
+                "' must hold a JSON object, but holds ", json_brief(root), ".");
   const Fields f(root, file);
 
   ModelConfig c;
   const json& archs = f.required("architectures");
   MEGAMOE_CHECK(archs.is_array(), kInvalidCheckpoint, "'", file,
-                "': field 'architectures' must be an array of strings, but is ", archs.dump(), ".");
+                "': field 'architectures' must be an array of strings, but is ", json_brief(archs), ".");
   for (const json& a : archs) {
     if (a.is_string() && (a == kDeepseekV3 || a == kQwen3Moe)) {
       c.architecture = a.get<std::string>();
@@ -318,7 +321,7 @@ ModelConfig load_model_config(const std::string& dir) {
     }
   }
   MEGAMOE_CHECK(!c.architecture.empty(), kUnsupported, "'", file, "': architectures ",
-                archs.dump(), " are not supported; supported: ", kSupportedArchitectures, ".");
+                json_brief(archs), " are not supported; supported: ", kSupportedArchitectures, ".");
 
   if (c.architecture == kDeepseekV3) {
     c.model_type = f.string_or("model_type", "deepseek_v3");
@@ -338,7 +341,8 @@ ModelConfig load_model_config(const std::string& dir) {
   std::optional<QuantFormat> from_hf_quant;
   const fs::path hf_quant_path = fs::path(dir) / "hf_quant_config.json";
   if (fs::exists(hf_quant_path, ec)) {
-    from_hf_quant = parse_hf_quant_config(read_json_file(hf_quant_path), hf_quant_path.string());
+    from_hf_quant = parse_hf_quant_config(read_json_file(hf_quant_path, "quantization config"),
+                                          hf_quant_path.string());
   }
   MEGAMOE_CHECK(!from_config || !from_hf_quant || *from_config == *from_hf_quant,
                 kInvalidCheckpoint, "'", file, "' declares ",

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstring>
 #include <initializer_list>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -223,6 +224,16 @@ Nvfp4Linear load_nvfp4_linear(const Checkpoint& ckpt, const std::string& prefix,
       expect_positive_finite(lin.input_scale, *in, "reciprocal of the input scale");
     }
   }
+  // The largest weight is 6 x 448 x weight_scale_2. No finite fp32 amax gives a ModelOpt scale
+  // (amax/2688) above FLT_MAX/2688, so one above it is corruption, and it would dequantize
+  // finite codes to Inf. Below it, a large scale is accepted: the weights are finite, and an
+  // output beyond the bf16 range is what the layer computes (README, "Accepted inputs").
+  const float max_global_scale = std::numeric_limits<float>::max() / 2688.0f;
+  MEGAMOE_CHECK(lin.weight_scale_2 <= max_global_scale, kInvalidCheckpoint, "NVFP4 linear '",
+                prefix, "' in checkpoint '", ckpt.path(), "' has global scale ",
+                lin.weight_scale_2, " (as weight_scale_2); at most ", max_global_scale,
+                " (FLT_MAX/2688) is allowed, or its largest weight 6 x 448 x scale is not a "
+                "finite fp32.");
   return lin;
 }
 
@@ -248,6 +259,28 @@ MoeLayer load_moe_layer(const Checkpoint& ckpt, const ModelConfig& config, int64
   out.routing = config.routing();
   out.swiglu_limit = config.swiglu_limit;
 
+  // The config's expert count is checked against the checkpoint before anything is sized by it:
+  // a count of 2^31 - 1 would otherwise ask for hundreds of GB before the first missing tensor.
+  const std::string last = mlp + ".experts." + std::to_string(E - 1) + ".down_proj";
+  const bool last_modelopt = ckpt.find(last + ".weight").has_value();
+  const bool last_compressed = ckpt.find(last + ".weight_packed").has_value();
+  MEGAMOE_CHECK(last_modelopt || last_compressed, kInvalidCheckpoint, "the config of '",
+                ckpt.path(), "' declares ", E, " routed experts, but checkpoint '", ckpt.path(),
+                "' has no tensor '", last, ".weight' (or '.weight_packed') for expert ", E - 1,
+                " of layer ", layer, "; the config's expert count must match the checkpoint.");
+  // The config's quantization method (when it names one) must agree with the tensors' names:
+  // the names decide how the global scale is read (ModelOpt multiplies, compressed-tensors
+  // stores the reciprocal), so a disagreement means a mislabelled or half-converted checkpoint.
+  if (config.quant_format != QuantFormat::kUnquantized) {
+    const QuantFormat by_names =
+        last_modelopt ? QuantFormat::kModelOptNvfp4 : QuantFormat::kCompressedTensorsNvfp4;
+    MEGAMOE_CHECK(by_names == config.quant_format, kInvalidCheckpoint, "the config of '",
+                  ckpt.path(), "' declares ", quant_format_name(config.quant_format),
+                  " quantization, but the tensors of layer ", layer, " use ",
+                  quant_format_name(by_names), " names ('", last,
+                  last_modelopt ? ".weight'" : ".weight_packed'",
+                  "); the config and the tensor names must agree.");
+  }
   out.experts.reserve(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) {
     const std::string p = mlp + ".experts." + std::to_string(e);

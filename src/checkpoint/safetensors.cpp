@@ -20,18 +20,24 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/json_file.h"
 #include "megamoe/status.h"
 
 namespace megamoe {
 namespace {
 
 using nlohmann::json;
+using checkpoint_detail::json_brief;
 
 // The reference implementation refuses headers above 100 MB; a header that large is corruption,
 // not a checkpoint (the biggest real ones are a few MB), and mapping it as JSON would be slow.
 constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 constexpr uint64_t kLengthFieldBytes = 8;
 constexpr const char* kMetadataKey = "__metadata__";
+// A valid header nests three levels (the object, a tensor entry, its shape); a few more let a
+// slightly wrong file get the specific message below instead of a nesting error, and the bound
+// keeps a hostile header from building millions of nested values.
+constexpr int kMaxHeaderDepth = 8;
 
 constexpr DType kAllDTypes[] = {DType::BF16, DType::F16,     DType::F32,
                                 DType::U8,   DType::I8,      DType::I32,
@@ -101,7 +107,7 @@ TensorInfo parse_entry(const std::string& path, const std::string& name, const j
                 json_kind(shape), ", not an array of non-negative integers.");
   for (const json& d : shape) {
     MEGAMOE_CHECK(d.is_number_unsigned() && d.get<uint64_t>() <= uint64_t(INT64_MAX),
-                  kInvalidCheckpoint, where(), " has shape ", shape.dump(),
+                  kInvalidCheckpoint, where(), " has shape ", json_brief(shape),
                   "; every dimension must be a non-negative integer.");
     t.shape.push_back(d.get<int64_t>());
   }
@@ -112,7 +118,7 @@ TensorInfo parse_entry(const std::string& path, const std::string& name, const j
   const json& offsets = entry["data_offsets"];
   MEGAMOE_CHECK(offsets.is_array() && offsets.size() == 2 && offsets[0].is_number_unsigned() &&
                     offsets[1].is_number_unsigned(),
-                kInvalidCheckpoint, where(), " has data_offsets ", offsets.dump(),
+                kInvalidCheckpoint, where(), " has data_offsets ", json_brief(offsets),
                 "; expected [begin, end] with non-negative integers.");
   t.begin = offsets[0].get<uint64_t>();
   t.end = offsets[1].get<uint64_t>();
@@ -152,7 +158,9 @@ std::shared_ptr<const SafetensorsFile> SafetensorsFile::open(const std::string& 
   std::shared_ptr<SafetensorsFile> f(new SafetensorsFile());
   f->path_ = path;
 
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer; the fstat below
+  // then rejects it (and directories and devices) before anything is read or mapped.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) {
     const int err = errno;
     if (err == ENOENT) {
@@ -198,30 +206,16 @@ std::shared_ptr<const SafetensorsFile> SafetensorsFile::open(const std::string& 
   f->data_start_ = kLengthFieldBytes + header_len;
   const uint64_t data_size = size - f->data_start_;
 
-  // The callback sees every key of the top-level object (depth 1): nlohmann would otherwise keep
-  // only the last of two duplicate tensor names and hide the corruption.
-  std::set<std::string> seen;
-  std::string duplicate;
-  const json::parser_callback_t reject_duplicates =
-      [&](int depth, json::parse_event_t event, json& parsed) {
-        if (event == json::parse_event_t::key && depth == 1 && duplicate.empty() &&
-            !seen.insert(parsed.get<std::string>()).second) {
-          duplicate = parsed.get<std::string>();
-        }
-        return true;
-      };
-  json header;
-  try {
-    const char* text = reinterpret_cast<const char*>(f->map_ + kLengthFieldBytes);
-    header = json::parse(text, text + header_len, reject_duplicates);
-  } catch (const json::exception& e) {
-    MEGAMOE_FAIL(kInvalidCheckpoint, "safetensors file '", path,
-                 "' has a header that is not valid JSON: ", e.what());
-  }
+  // Strict: a NUL byte (nlohmann would stop there and ignore the rest), a key twice in one
+  // object (two tensors of one name, or two dtypes in one entry: nlohmann keeps the last) and
+  // deep nesting are errors.
+  const char* text = reinterpret_cast<const char*>(f->map_ + kLengthFieldBytes);
+  const json header =
+      checkpoint_detail::parse_json_strict(std::string_view(text, header_len), kMaxHeaderDepth, [&] {
+        return detail::concat("safetensors file '", path, "': the header");
+      });
   MEGAMOE_CHECK(header.is_object(), kInvalidCheckpoint, "safetensors file '", path,
                 "' has a header that is a JSON ", json_kind(header), "; expected a JSON object.");
-  MEGAMOE_CHECK(duplicate.empty(), kInvalidCheckpoint, "safetensors file '", path,
-                "' names tensor '", duplicate, "' twice in its header.");
 
   for (const auto& [name, entry] : header.items()) {
     if (name == kMetadataKey) {
@@ -239,8 +233,12 @@ std::shared_ptr<const SafetensorsFile> SafetensorsFile::open(const std::string& 
     f->tensors_.push_back(parse_entry(path, name, entry, data_size));
   }
 
-  // Sorted by offset, each tensor must start at or after the furthest end seen so far (zero-byte
-  // tensors may share an offset with a neighbour, but none may sit inside another tensor).
+  // Sorted by offset, the tensors must cover the data section exactly, as the reference
+  // implementation requires: each starts where the previous ones end (zero-byte tensors may share
+  // an offset with a neighbour, none may sit inside another), and the last one ends where the
+  // file does. A hole or trailing bytes mean a corrupt header: a length field short by a few
+  // bytes of padding, for one, shifts every tensor onto its neighbour's bytes and leaves
+  // trailing bytes.
   std::sort(f->tensors_.begin(), f->tensors_.end(), [](const TensorInfo& a, const TensorInfo& b) {
     return std::tie(a.begin, a.end, a.name) < std::tie(b.begin, b.end, b.name);
   });
@@ -251,11 +249,21 @@ std::shared_ptr<const SafetensorsFile> SafetensorsFile::open(const std::string& 
                   "': tensor '", t.name, "' (bytes [", t.begin, ", ", t.end,
                   ")) overlaps tensor '", furthest->name, "' (bytes [", furthest->begin, ", ",
                   furthest->end, ")).");
+    MEGAMOE_CHECK(t.begin == furthest_end, kInvalidCheckpoint, "safetensors file '", path,
+                  "': tensor '", t.name, "' starts at byte ", t.begin,
+                  " of the data section, but the tensors before it end at byte ", furthest_end,
+                  "; the tensors must cover the data section without holes (the header's offsets "
+                  "or its length field are wrong).");
     if (t.end > furthest_end || furthest == nullptr) {
       furthest_end = t.end;
       furthest = &t;
     }
   }
+  MEGAMOE_CHECK(furthest_end == data_size, kInvalidCheckpoint, "safetensors file '", path,
+                "': the tensors end at byte ", furthest_end, " of the data section, but it holds ",
+                data_size, " bytes; ", data_size - furthest_end,
+                " trailing bytes belong to no tensor (the header's offsets or its length field "
+                "are wrong).");
   for (size_t i = 0; i < f->tensors_.size(); ++i) f->index_.emplace(f->tensors_[i].name, i);
   return f;
 }
@@ -316,6 +324,13 @@ SafetensorsWriter::SafetensorsWriter(const std::string& path, std::vector<Tensor
   // 8-byte aligned in the file (and therefore in the page-aligned mapping of a reader).
   text.append((8 - text.size() % 8) % 8, ' ');
 
+  // An existing FIFO would block fopen until a reader comes, and a device would receive the
+  // data: the output must be a new or a regular file.
+  struct stat st {};
+  MEGAMOE_CHECK(::stat(path.c_str(), &st) != 0 || S_ISREG(st.st_mode), kInvalidArgument,
+                "safetensors output '", path,
+                "' exists and is not a regular file (a directory, FIFO or device); write to a new "
+                "or a regular file.");
   FILE* fp = std::fopen(path.c_str(), "wb");
   MEGAMOE_CHECK(fp != nullptr, kIo, "cannot create safetensors file '", path, "': ",
                 std::strerror(errno), ".");

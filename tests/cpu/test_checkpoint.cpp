@@ -4,8 +4,10 @@
 // random valid ue4m3 scales and a different global scale per projection; MoeLayer::validate.
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -24,6 +26,8 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "megamoe/reference.h"
 
 #include "megamoe/checkpoint.h"
 #include "megamoe/dtype.h"
@@ -1337,6 +1341,172 @@ TEST(MegamoeNames, RoutingKindAndQuantFormat) {
   EXPECT_STREQ(megamoe::quant_format_name(QuantFormat::kModelOptNvfp4), "modelopt-nvfp4");
   EXPECT_STREQ(megamoe::quant_format_name(QuantFormat::kCompressedTensorsNvfp4),
                "compressed-tensors-nvfp4");
+}
+
+
+// =============================================================================================
+// Hardening (issue 36): hostile JSON, special files, absurd counts, disagreeing metadata
+
+// A value nested deeper than the parser allows is refused by the parser; one within the limit
+// is quoted briefly. Either way the message stays short (a full dump once overflowed the stack).
+TEST_F(ModelConfigTest, DeepOrLargeValuesGiveShortMessages) {
+  const auto message_of = [&](const std::string& dir) -> std::string {
+    try {
+      megamoe::load_model_config(dir);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "did not throw";
+  };
+  std::string text = deepseek_config().dump();
+  const std::string deep = std::string(200000, '[') + std::string(200000, ']');
+  std::string d = write_config("deep", text.substr(0, text.size() - 1) + ",\"x\":" + deep + "}");
+  std::string m = message_of(d);
+  EXPECT_NE(m.find("more than 64 levels deep"), std::string::npos) << m;
+  EXPECT_LT(m.size(), 300u) << m;
+
+  json j = deepseek_config();
+  json nested = 7;
+  for (int i = 0; i < 60; ++i) nested = json::array({nested});
+  j["hidden_size"] = nested;
+  m = message_of(write_config("nested", j.dump()));
+  EXPECT_NE(m.find("'hidden_size' must be an integer, but is [[[... 1 elements]]]"), std::string::npos) << m;
+  EXPECT_LT(m.size(), 300u) << m;
+
+  j = deepseek_config();
+  j["architectures"] = json::array();
+  for (int i = 0; i < 10000; ++i) j["architectures"].push_back(std::string(1000, 'A'));
+  m = message_of(write_config("wide", j.dump()));
+  EXPECT_NE(m.find("architectures [\"AAAA"), std::string::npos) << m;
+  EXPECT_NE(m.find("(1000 bytes)"), std::string::npos) << m;
+  EXPECT_LT(m.size(), 500u) << m;
+
+  // A key twice in config.json is refused like in a safetensors header.
+  text = deepseek_config().dump();
+  d = write_config("dup", text.substr(0, text.size() - 1) + ",\"hidden_size\":64}");
+  EXPECT_MEGAMOE_ERROR(megamoe::load_model_config(d), kInvalidCheckpoint, "config.json",
+                       "key 'hidden_size' twice");
+}
+
+// FIFOs and directories where a JSON file or a shard belongs: a clear "not a regular file", not
+// "does not exist", and no blocking open (a blocked open would hang this test).
+TEST_F(ModelConfigTest, FifosAndDirectoriesAsCheckpointFiles) {
+  std::string d = (dir_ / "fifo_config").string();
+  fs::create_directories(d);
+  ASSERT_EQ(::mkfifo((fs::path(d) / "config.json").c_str(), 0600), 0);
+  EXPECT_MEGAMOE_ERROR(megamoe::load_model_config(d), kInvalidArgument, d + "/config.json",
+                       "not a regular file");
+  d = (dir_ / "dir_config").string();
+  fs::create_directories(fs::path(d) / "config.json");
+  EXPECT_MEGAMOE_ERROR(megamoe::load_model_config(d), kInvalidArgument, d + "/config.json",
+                       "not a regular file");
+  d = write_config("fifo_hq", deepseek_config().dump());
+  ASSERT_EQ(::mkfifo((fs::path(d) / "hf_quant_config.json").c_str(), 0600), 0);
+  EXPECT_MEGAMOE_ERROR(megamoe::load_model_config(d), kInvalidArgument, "hf_quant_config.json",
+                       "not a regular file");
+
+  const fs::path sharded = dir_ / "sharded";
+  fs::create_directories(sharded);
+  write_tensors((sharded / "s1.safetensors").string(), {{"a", f32_tensor({1.0f}, {})}});
+  write_text(sharded / "model.safetensors.index.json",
+             json{{"weight_map", {{"a", "s1.safetensors"}, {"b", "s2.safetensors"}}}}.dump());
+  ASSERT_EQ(::mkfifo((sharded / "s2.safetensors").c_str(), 0600), 0);
+  EXPECT_MEGAMOE_ERROR(Checkpoint::open(sharded.string()), kInvalidArgument, "s2.safetensors",
+                       "not a regular file");
+  fs::remove(sharded / "s2.safetensors");
+  fs::create_directories(sharded / "s2.safetensors");
+  EXPECT_MEGAMOE_ERROR(Checkpoint::open(sharded.string()), kInvalidArgument, "s2.safetensors",
+                       "not a regular file");
+  fs::remove(sharded / "model.safetensors.index.json");
+  ASSERT_EQ(::mkfifo((sharded / "model.safetensors.index.json").c_str(), 0600), 0);
+  EXPECT_MEGAMOE_ERROR(Checkpoint::open(sharded.string()), kInvalidArgument,
+                       "model.safetensors.index.json", "not a regular file");
+}
+
+TEST_F(ModelConfigTest, RejectsAbsurdWidths) {
+  for (const char* field : {"hidden_size", "moe_intermediate_size"}) {
+    json j = deepseek_config();
+    j[field] = (int64_t(1) << 24) + 16;
+    const std::string d = write_config(field, j.dump());
+    EXPECT_MEGAMOE_ERROR(megamoe::load_model_config(d), kInvalidCheckpoint, field,
+                         "16777232", "allowed: 1 to 16777216");
+  }
+}
+
+// An expert count the checkpoint does not hold is refused before anything is sized by it (2^31 - 1
+// experts once asked for 360 GB and died with a bare std::bad_alloc).
+TEST_F(LoadMoeLayer, RejectsExpertCountBeyondTheCheckpoint) {
+  const LayerData d = random_layer(*rng_, 0);
+  for (const int64_t experts : {int64_t(2147483647), kE + 1}) {
+    json config = qwen3_config();
+    config["num_experts"] = experts;
+    const std::string dir = write_checkpoint("experts", layer_tensors(d, Layout::kModelOpt), config);
+    EXPECT_MEGAMOE_ERROR(load(dir), kInvalidCheckpoint, dir,
+                         "declares " + std::to_string(experts) + " routed experts",
+                         "experts." + std::to_string(experts - 1) + ".down_proj.weight",
+                         "must match the checkpoint");
+  }
+}
+
+// Judged (README): a quantization method in the config that disagrees with the tensor names is
+// refused (the names decide how the global scale is read); a config naming none is accepted and
+// the names decide.
+TEST_F(LoadMoeLayer, ConfigQuantMethodMustAgreeWithTensorNames) {
+  const LayerData d = random_layer(*rng_, 0);
+  const json modelopt = {{"quant_method", "modelopt"}, {"quant_algo", "NVFP4"}};
+  const json compressed = {
+      {"quant_method", "compressed-tensors"},
+      {"config_groups",
+       {{"group_0", {{"weights", {{"num_bits", 4}, {"type", "float"}, {"group_size", 16}}}}}}}};
+  int n = 0;
+  for (const Layout layout : {Layout::kModelOpt, Layout::kCompressedTensors}) {
+    const bool mo = layout == Layout::kModelOpt;
+    json config = qwen3_config();
+    config["quantization_config"] = mo ? compressed : modelopt;
+    std::string dir = write_checkpoint("q" + std::to_string(n++), layer_tensors(d, layout), config);
+    EXPECT_MEGAMOE_ERROR(load(dir), kInvalidCheckpoint, dir,
+                         mo ? "declares compressed-tensors-nvfp4" : "declares modelopt-nvfp4",
+                         mo ? "use modelopt-nvfp4 names" : "use compressed-tensors-nvfp4 names",
+                         "must agree");
+    config["quantization_config"] = mo ? modelopt : compressed;
+    dir = write_checkpoint("q" + std::to_string(n++), layer_tensors(d, layout), config);
+    EXPECT_NO_THROW(load(dir));
+    dir = write_checkpoint("q" + std::to_string(n++), layer_tensors(d, layout), qwen3_config());
+    EXPECT_NO_THROW(load(dir));
+  }
+}
+
+// Judged (README): a global scale above FLT_MAX/2688 (no finite amax gives it; its largest weight
+// is not a finite fp32) is refused; a large one below it is accepted, and what the layer then
+// computes may overflow bf16 (Inf or NaN in the output), as the same layer in bf16 would.
+TEST_F(LoadMoeLayer, HugeGlobalScales) {
+  const LayerData d = random_layer(*rng_, 0);
+  const std::string p = kMlp + ".experts.1.up_proj";
+  const float limit = std::numeric_limits<float>::max() / 2688.0f;
+  TensorMap m = layer_tensors(d, Layout::kModelOpt);
+  m[p + ".weight_scale_2"] = f32_tensor({std::numeric_limits<float>::max()}, {});
+  std::string dir = write_checkpoint("max", m, qwen3_config());
+  EXPECT_MEGAMOE_ERROR(load(dir), kInvalidCheckpoint, p, "FLT_MAX/2688", "not a finite fp32");
+  m = layer_tensors(d, Layout::kCompressedTensors);
+  m[p + ".weight_global_scale"] = f32_tensor({1.0f / (4.0f * limit)}, {});
+  dir = write_checkpoint("recip", m, qwen3_config());
+  EXPECT_MEGAMOE_ERROR(load(dir), kInvalidCheckpoint, p, "FLT_MAX/2688");
+
+  m = layer_tensors(d, Layout::kModelOpt);
+  for (const char* proj : {"gate_proj", "up_proj", "down_proj"}) {
+    m[kMlp + ".experts.0." + proj + ".weight_scale_2"] = f32_tensor({limit}, {});
+  }
+  dir = write_checkpoint("large", m, qwen3_config());
+  const MoeLayer layer = load(dir);
+  EXPECT_EQ(layer.experts[0].up.weight_scale_2, limit);
+  const std::vector<uint16_t> hidden(kH, megamoe::f32_to_bf16(1.0f));
+  megamoe::reference::TopK topk;
+  topk.tokens = 1;
+  topk.k = 2;
+  topk.ids = {0, 1};
+  topk.weights = {0.5f, 0.5f};
+  const std::vector<float> out = megamoe::reference::moe_forward_f32(layer, hidden, 1, topk);
+  EXPECT_TRUE(std::any_of(out.begin(), out.end(), [](float v) { return !std::isfinite(v); }));
 }
 
 }  // namespace

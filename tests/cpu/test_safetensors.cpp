@@ -485,20 +485,139 @@ TEST_F(SafetensorsTest, RejectsOverlappingTensors) {
                        "overlaps tensor 'a'");
 }
 
-// What the format allows: gaps, trailing bytes, empty tensors at a boundary, header padding.
-TEST_F(SafetensorsTest, AcceptsGapsEmptyTensorsAndPadding) {
+// What the format allows: tensors in any header order, empty tensors at a boundary, header
+// padding with spaces.
+TEST_F(SafetensorsTest, AcceptsEmptyTensorsAndPadding) {
   const std::string p = write_raw("lenient",
-                                  R"({"b":{"dtype":"U8","shape":[4],"data_offsets":[12,16]},)"
+                                  R"({"b":{"dtype":"U8","shape":[4],"data_offsets":[8,12]},)"
                                   R"("e":{"dtype":"F32","shape":[0,3],"data_offsets":[8,8]},)"
                                   R"("a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}})"
                                   "      ",
-                                  24);
+                                  12);
   const auto f = SafetensorsFile::open(p);
   ASSERT_EQ(f->tensors().size(), 3u);
   EXPECT_EQ(f->tensors()[0].name, "a");
   EXPECT_EQ(f->tensors()[1].name, "e");
   EXPECT_EQ(f->tensors()[2].name, "b");
   EXPECT_EQ(f->bytes(*f->find("e")).size(), 0u);
+}
+
+// The tensors must cover the data section exactly (as the reference implementation requires):
+// a hole, bytes before the first tensor or after the last mean a corrupt header.
+TEST_F(SafetensorsTest, RejectsHolesAndTrailingBytes) {
+  std::string p = write_raw("hole",
+                            R"({"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]},)"
+                            R"("b":{"dtype":"U8","shape":[4],"data_offsets":[12,16]}})",
+                            16);
+  EXPECT_MEGAMOE_ERROR(SafetensorsFile::open(p), kInvalidCheckpoint, p, "tensor 'b'",
+                       "starts at byte 12", "end at byte 8", "without holes");
+  p = write_raw("lead", R"({"a":{"dtype":"U8","shape":[8],"data_offsets":[4,12]}})", 12);
+  EXPECT_MEGAMOE_ERROR(SafetensorsFile::open(p), kInvalidCheckpoint, p, "tensor 'a'",
+                       "starts at byte 4", "end at byte 0");
+  p = write_raw("trailing", R"({"a":{"dtype":"U8","shape":[8],"data_offsets":[0,8]}})", 11);
+  EXPECT_MEGAMOE_ERROR(SafetensorsFile::open(p), kInvalidCheckpoint, p, "end at byte 8",
+                       "holds 11 bytes", "3 trailing bytes");
+  p = write_raw("no_tensors", "{}", 1);
+  EXPECT_MEGAMOE_ERROR(SafetensorsFile::open(p), kInvalidCheckpoint, p, "1 trailing bytes");
+
+  // A length field short by some of the header's padding: the JSON still parses (the rest of the
+  // padding is taken for data), every tensor would shift onto its neighbour's bytes, and the data
+  // section has bytes no tensor claims.
+  const std::string good = path("good.safetensors");
+  megamoe::write_safetensors(good, {{TensorSpec{"a", DType::U8, {3}}, random_bytes(3)},
+                                    {TensorSpec{"b", DType::U8, {5}}, random_bytes(5)}});
+  std::vector<uint8_t> bytes = read_file(good);
+  uint64_t len = 0;
+  for (int i = 7; i >= 0; --i) len = (len << 8) | bytes[size_t(i)];
+  ASSERT_EQ(bytes[8 + len - 1], ' ') << "the writer pads the header with spaces";
+  bytes[0] = static_cast<uint8_t>(bytes[0] - 1);
+  const std::string shifted = path("shifted.safetensors");
+  std::ofstream(shifted, std::ios::binary)
+      .write(reinterpret_cast<const char*>(bytes.data()), std::streamsize(bytes.size()));
+  EXPECT_MEGAMOE_ERROR(SafetensorsFile::open(shifted), kInvalidCheckpoint, shifted,
+                       "1 trailing bytes");
+}
+
+// nlohmann's parser ends the input at a NUL byte and ignores the rest: a NUL anywhere in the
+// header is an error, whatever follows it.
+TEST_F(SafetensorsTest, RejectsNulByteInHeader) {
+  const std::string entry = R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})";
+  for (const std::string& h : {entry + std::string(1, '\0') + "garbage",
+                               entry + std::string(3, '\0'),
+                               std::string(R"({"a":{"dtype":"U8")") + std::string(1, '\0') +
+                                   R"(,"shape":[4],"data_offsets":[0,4]}})"}) {
+    const std::string p = write_raw("nul", h, 4);
+    EXPECT_MEGAMOE_ERROR(SafetensorsFile::open(p), kInvalidCheckpoint, p, "NUL byte",
+                         "at offset " + std::to_string(h.find('\0')));
+  }
+}
+
+// A key twice inside one tensor entry (or inside __metadata__) is corruption too: nlohmann would
+// keep the last one.
+TEST_F(SafetensorsTest, RejectsDuplicateKeysInsideAnEntry) {
+  std::string p = write_raw("dup_dtype",
+                            R"({"w":{"dtype":"F32","dtype":"F8_E4M3","shape":[4],)"
+                            R"("data_offsets":[0,4]}})",
+                            4);
+  EXPECT_MEGAMOE_ERROR(SafetensorsFile::open(p), kInvalidCheckpoint, p, "key 'dtype' twice",
+                       "'w'");
+  p = write_raw("dup_offsets",
+                R"({"w":{"dtype":"U8","shape":[4],"data_offsets":[0,4],"data_offsets":[0,4]}})", 4);
+  EXPECT_MEGAMOE_ERROR(SafetensorsFile::open(p), kInvalidCheckpoint, p,
+                       "key 'data_offsets' twice");
+  p = write_raw("dup_meta", R"({"__metadata__":{"format":"pt","format":"np"}})", 0);
+  EXPECT_MEGAMOE_ERROR(SafetensorsFile::open(p), kInvalidCheckpoint, p, "key 'format' twice",
+                       "'__metadata__'");
+}
+
+// Deeply nested JSON anywhere in the header is refused by the parser with a short message (it
+// once overflowed the stack while the message quoting the value was built); values quoted in
+// messages are shortened.
+TEST_F(SafetensorsTest, RejectsDeepNestingWithShortMessages) {
+  const std::string deep = std::string(100000, '[') + std::string(100000, ']');
+  for (const std::string& entry :
+       {R"({"w":{"dtype":"U8","shape":)" + deep + R"(,"data_offsets":[0,4]}})",
+        R"({"w":{"dtype":"U8","shape":[4],"data_offsets":)" + deep + "}}",
+        R"({"w":{"dtype":)" + deep + R"(,"shape":[4],"data_offsets":[0,4]}})",
+        R"({"__metadata__":{"a":)" + deep + "}}"}) {
+    const std::string p = write_raw("deep", entry, 4);
+    try {
+      SafetensorsFile::open(p);
+      ADD_FAILURE() << "accepted";
+    } catch (const megamoe::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("more than 8 levels deep"), std::string::npos)
+          << e.what();
+      EXPECT_LT(std::string(e.what()).size(), 400u) << e.what();
+    }
+  }
+  // Within the depth limit, a large value is quoted briefly.
+  std::string shape = "[";
+  for (int i = 0; i < 5000; ++i) shape += (i ? ",[1,2,3]" : "[1,2,3]");
+  shape += "]";
+  const std::string p = write_raw(
+      "wide_shape", R"({"w":{"dtype":"U8","shape":)" + shape + R"(,"data_offsets":[0,4]}})", 4);
+  try {
+    SafetensorsFile::open(p);
+    ADD_FAILURE() << "accepted";
+  } catch (const megamoe::Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("tensor 'w' has shape [[1, 2, 3], "), std::string::npos) << m;
+    EXPECT_NE(m.find("more"), std::string::npos) << m;
+    EXPECT_LT(m.size(), 500u) << m;
+  }
+}
+
+// A FIFO or a directory given as the file: rejected without opening it for a blocking read
+// (the test would hang otherwise), and never reported as missing.
+TEST_F(SafetensorsTest, RejectsFifoWithoutBlocking) {
+  const std::string fifo = path("fifo.safetensors");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_MEGAMOE_ERROR(SafetensorsFile::open(fifo), kInvalidArgument, fifo, "not a regular file");
+  // The writer does not block on an existing FIFO either, nor write into one.
+  EXPECT_MEGAMOE_ERROR(SafetensorsWriter(fifo, {}), kInvalidArgument, fifo,
+                       "not a regular file");
+  EXPECT_MEGAMOE_ERROR(SafetensorsWriter(dir_.string(), {}), kInvalidArgument, dir_.string(),
+                       "not a regular file");
 }
 
 TEST_F(SafetensorsTest, RejectsDuplicateTensorNames) {

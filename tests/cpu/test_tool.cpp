@@ -4,7 +4,9 @@
 // with format::dequantize, reference with reference::moe_forward/route on the loaded layer.
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -27,7 +29,9 @@
 #include <vector>
 
 #include "megamoe/checkpoint.h"
+#if MEGAMOE_HAS_CUDA
 #include "megamoe/gpu.h"
+#endif
 #include "megamoe/dtype.h"
 #include "megamoe/format.h"
 #include "megamoe/presets.h"
@@ -71,6 +75,15 @@ ToolResult run_tool(const std::string& args) {
 }
 
 std::string q(const fs::path& p) { return "'" + p.string() + "'"; }
+
+// A CUDA device this build can use: never in a CPU-only build (MEGAMOE_CUDA=OFF).
+int gpu_count() {
+#if MEGAMOE_HAS_CUDA
+  return megamoe::gpu::device_count();
+#else
+  return 0;
+#endif
+}
 
 template <typename T>
 std::span<const uint8_t> bytes_of(const std::vector<T>& v) {
@@ -447,6 +460,7 @@ TEST_F(SynthCheckpoint, RejectsBadOptionsAndPresets) {
 // ---- the tool: bench options that are rejected before any GPU work -----------------------------
 
 TEST(ToolBench, RejectsOptionsThatDoNotApply) {
+  if (!MEGAMOE_HAS_CUDA) GTEST_SKIP() << "CPU-only build: `megamoe bench` is not built";
   // --shared-experts and --num-experts shape a synthesized layer, not a given checkpoint.
   ToolResult r = run_tool("bench --checkpoint /nonexistent --shared-experts 0");
   EXPECT_NE(r.code, 0) << r.output;
@@ -562,7 +576,7 @@ TEST_F(ToolSynth, InspectFindsFormatAndLayer) {
 // `megamoe run` (GPU) against `megamoe reference` (CPU) on the same checkpoint and inputs. Needs a
 // Hopper GPU; skipped (visibly) elsewhere.
 TEST_F(ToolSynth, RunOnGpuMatchesReference) {
-  if (megamoe::gpu::device_count() == 0) {
+  if (gpu_count() == 0) {
     GTEST_SKIP() << "no CUDA device: `megamoe run` test skipped (run it on the GPU machine)";
   }
   ASSERT_NO_FATAL_FAILURE(synth());
@@ -698,7 +712,7 @@ TEST_F(ToolSynth, RunExpertParallelMatchesReference) {
 // tokens per expert): the others are reported as skipped with the reason, the rest are timed and
 // checked, and the run succeeds. Needs a Hopper GPU; skipped (visibly) elsewhere.
 TEST_F(ToolSynth, BenchSkipsPointsAnOverrideCannotRun) {
-  if (megamoe::gpu::device_count() == 0) {
+  if (gpu_count() == 0) {
     GTEST_SKIP() << "no CUDA device: `megamoe bench` test skipped (run it on the GPU machine)";
   }
   ASSERT_NO_FATAL_FAILURE(synth());
@@ -747,7 +761,7 @@ TEST_F(ToolSynth, BenchSkipsPointsAnOverrideCannotRun) {
 // draws others. (On a given checkpoint the baseline adds no draw: the cosine check runs only on a
 // layer the bench synthesizes.) Needs a Hopper GPU; skipped (visibly) elsewhere.
 TEST_F(ToolSynth, BenchPointInputsDependOnSeedAndTOnly) {
-  if (megamoe::gpu::device_count() == 0) {
+  if (gpu_count() == 0) {
     GTEST_SKIP() << "no CUDA device: `megamoe bench` test skipped (run it on the GPU machine)";
   }
   ASSERT_NO_FATAL_FAILURE(synth());
@@ -1287,6 +1301,20 @@ TEST_F(ToolQuantize, RejectsBadInputs) {
   expect_failure("synth", "--preset qwen3-30b-a3b --num-experts -3 " + q(dir_ / "s"), {"-3"});
 }
 
+// A CPU-only build keeps `run` and `bench` as commands that say the build has no CUDA, whatever
+// their arguments; a CUDA build parses them for real (no such message).
+TEST(ToolCommandLine, GpuCommandsWithoutCuda) {
+  for (const char* cmd : {"run --checkpoint /nonexistent --layer 0 --input a --output b",
+                          "bench --tokens 1 --bogus-option"}) {
+    const ToolResult r = run_tool(cmd);
+    SCOPED_TRACE(cmd);
+    EXPECT_NE(r.code, 0) << r.output;
+    const bool says_no_cuda = r.output.find("built without CUDA") != std::string::npos;
+    EXPECT_EQ(says_no_cuda, !MEGAMOE_HAS_CUDA) << r.output;
+    if (!MEGAMOE_HAS_CUDA) EXPECT_EQ(r.code, 1) << r.output;
+  }
+}
+
 TEST(ToolCommandLine, HelpAndParseErrors) {
   ToolResult r = run_tool("--help");
   EXPECT_EQ(r.code, 0) << r.output;
@@ -1302,6 +1330,189 @@ TEST(ToolCommandLine, HelpAndParseErrors) {
   r = run_tool("synth --preset qwen3-30b-a3b --seed abc out");
   EXPECT_EQ(r.code, 2) << r.output;
   EXPECT_NE(r.output.find("seed"), std::string::npos) << r.output;
+}
+
+
+// ---- hardening (issue 36): outputs onto inputs, special files, absurd widths and counts -------
+
+std::vector<uint8_t> file_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+// An output that is one of the inputs, by identity (the same file through any path or link), is
+// refused before anything is written: writing it once killed the tool with SIGBUS (the input was
+// still mapped), loaded a wrong "negative block scale" from a rewritten shard, or silently
+// overwrote the checkpoint.
+TEST_F(ToolSynth, RefusesAnOutputThatIsAnInput) {
+  ASSERT_NO_FATAL_FAILURE(synth());
+  const fs::path model = ckpt_ / "model.safetensors";
+  const std::vector<uint8_t> before = file_bytes(model);
+  const fs::path alias = dir_ / "alias.safetensors";
+  fs::create_hard_link(model, alias);
+  for (const fs::path& out : {model, alias}) {
+    const ToolResult r = run_tool("dequantize " + q(ckpt_) + " " + q(out));
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("is the input file"), std::string::npos) << r.output;
+  }
+  std::mt19937_64 rng(seed_);
+  const fs::path x = dir_ / "x.safetensors";
+  write_file(x, {{{"hidden", DType::BF16, {1, 2048}}, to_bytes(random_hidden(rng, 1))}});
+  for (const fs::path& out : {model, alias, ckpt_ / "config.json", x}) {
+    const ToolResult r = run_tool("reference --checkpoint " + q(ckpt_) + " --layer 0 --input " +
+                                  q(x) + " --output " + q(out));
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("is the input file"), std::string::npos) << r.output;
+  }
+  EXPECT_TRUE(file_bytes(model) == before) << "the checkpoint was modified";
+
+  // One shard of a sharded checkpoint.
+  const fs::path sharded = dir_ / "sharded";
+  fs::create_directories(sharded);
+  const std::vector<float> one = {1.0f};
+  write_file(sharded / "s1.safetensors", {{{"a", DType::F32, {1}}, to_bytes(one)}});
+  write_file(sharded / "s2.safetensors", {{{"b", DType::F32, {1}}, to_bytes(one)}});
+  std::ofstream(sharded / "model.safetensors.index.json")
+      << json{{"weight_map", {{"a", "s1.safetensors"}, {"b", "s2.safetensors"}}}}.dump();
+  const std::vector<uint8_t> shard_before = file_bytes(sharded / "s2.safetensors");
+  const ToolResult r = run_tool("dequantize " + q(sharded) + " " + q(sharded / "s2.safetensors"));
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("s2.safetensors' is the input file"), std::string::npos) << r.output;
+  EXPECT_TRUE(file_bytes(sharded / "s2.safetensors") == shard_before);
+  // A new file beside the shards is fine.
+  EXPECT_EQ(run_tool("dequantize " + q(sharded) + " " + q(sharded / "out.safetensors")).code, 0);
+}
+
+// The input of `reference`: an empty batch runs (and writes empty tensors); a top-k width is
+// checked as the int64 it is stored as; a non-finite `hidden` is refused naming `hidden`,
+// whatever the routing; a FIFO as --input is refused without blocking.
+TEST_F(ToolSynth, ReferenceInputEdgeCases) {
+  ASSERT_NO_FATAL_FAILURE(synth());
+  const fs::path x = dir_ / "x.safetensors", y = dir_ / "y.safetensors";
+  const auto reference = [&](const fs::path& input) {
+    return run_tool("reference --checkpoint " + q(ckpt_) + " --layer 0 --input " + q(input) +
+                    " --output " + q(y));
+  };
+  // T = 0, routed and given.
+  write_file(x, {{{"hidden", DType::BF16, {0, 2048}}, {}}});
+  ToolResult r = reference(x);
+  ASSERT_EQ(r.code, 0) << r.output;
+  auto out = SafetensorsFile::open(y.string());
+  EXPECT_EQ(out->find("output")->shape, (std::vector<int64_t>{0, 2048}));
+  write_file(x, {{{"hidden", DType::BF16, {0, 2048}}, {}},
+                 {{"topk_ids", DType::I32, {0, 2}}, {}},
+                 {{"topk_weights", DType::F32, {0, 2}}, {}}});
+  r = reference(x);
+  ASSERT_EQ(r.code, 0) << r.output;
+  out = SafetensorsFile::open(y.string());
+  EXPECT_EQ(out->find("topk_ids")->shape, (std::vector<int64_t>{0, 2}));
+
+  // Widths beyond the 4 experts: 5, 2^31 and 2^32 + 1 (which an int once wrapped to 1).
+  for (const int64_t k : {int64_t(5), int64_t(1) << 31, (int64_t(1) << 32) + 1}) {
+    write_file(x, {{{"hidden", DType::BF16, {0, 2048}}, {}},
+                   {{"topk_ids", DType::I32, {0, k}}, {}},
+                   {{"topk_weights", DType::F32, {0, k}}, {}}});
+    r = reference(x);
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("[0, " + std::to_string(k) + "]"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("1 <= k <= 4"), std::string::npos) << r.output;
+  }
+  // [1, 2^32 + 1] for real, in a sparse file of 34 GB: refused before any id is read.
+  {
+    const int64_t k = (int64_t(1) << 32) + 1;
+    const uint64_t ids_bytes = uint64_t(k) * 4;
+    std::string header = json{{"hidden", {{"dtype", "BF16"}, {"shape", {1, 2048}},
+                                          {"data_offsets", {0, 4096}}}},
+                              {"topk_ids", {{"dtype", "I32"}, {"shape", {1, k}},
+                                            {"data_offsets", {4096, 4096 + ids_bytes}}}},
+                              {"topk_weights", {{"dtype", "F32"}, {"shape", {1, k}},
+                                                {"data_offsets", {4096 + ids_bytes, 4096 + 2 * ids_bytes}}}}}
+                             .dump();
+    header.append((8 - header.size() % 8) % 8, ' ');
+    const fs::path sparse = dir_ / "sparse.safetensors";
+    {
+      std::ofstream f(sparse, std::ios::binary);
+      for (int i = 0; i < 8; ++i) f.put(char(uint64_t(header.size()) >> (8 * i)));
+      f << header;
+    }
+    ASSERT_EQ(::truncate(sparse.c_str(), off_t(8 + header.size() + 4096 + 2 * ids_bytes)), 0);
+    r = reference(sparse);
+    EXPECT_EQ(r.code, 1) << r.output;
+    EXPECT_NE(r.output.find("1 <= k <= 4"), std::string::npos) << r.output;
+  }
+
+  // NaN and Inf in `hidden`, with given routing and through the router: `hidden` is named.
+  std::mt19937_64 rng(seed_);
+  for (const float bad : {std::nanf(""), INFINITY, -INFINITY}) {
+    std::vector<uint16_t> hidden = random_hidden(rng, 2);
+    hidden[2048 + 5] = megamoe::f32_to_bf16(bad);
+    for (const bool given : {true, false}) {
+      std::vector<Owned> input = {{{"hidden", DType::BF16, {2, 2048}}, to_bytes(hidden)}};
+      if (given) {
+        input.push_back({{"topk_ids", DType::I32, {2, 1}}, to_bytes(std::vector<int32_t>{0, 1})});
+        input.push_back(
+            {{"topk_weights", DType::F32, {2, 1}}, to_bytes(std::vector<float>{1.0f, 1.0f})});
+      }
+      write_file(x, input);
+      fs::remove(y);
+      r = reference(x);
+      EXPECT_EQ(r.code, 1) << r.output;
+      EXPECT_NE(r.output.find("tensor 'hidden'"), std::string::npos) << r.output;
+      EXPECT_NE(r.output.find("[1, 5]"), std::string::npos) << r.output;
+      EXPECT_NE(r.output.find("must be finite"), std::string::npos) << r.output;
+      EXPECT_FALSE(fs::exists(y));
+    }
+  }
+
+  // A FIFO as the input (a blocking open would hang this test).
+  const fs::path fifo = dir_ / "fifo.safetensors";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  r = reference(fifo);
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("not a regular file"), std::string::npos) << r.output;
+  r = run_tool("quantize " + q(fifo) + " " + q(y));
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("not a regular file"), std::string::npos) << r.output;
+}
+
+// A 200,000-character tensor name (std::regex recursed once per character and crashed) and a
+// pattern that makes a backtracking matcher run forever: both quick.
+TEST_F(ToolQuantize, LongNamesAndPathologicalPatterns) {
+  const std::string long_name = std::string(200000, 'a') + ".weight";
+  const std::vector<float> w(32, 0.5f);
+  write_file(in_, {{{long_name, DType::F32, {2, 16}}, to_bytes(w)},
+                   {{"b.weight", DType::F32, {2, 16}}, to_bytes(w)}});
+  ToolResult r = run_tool("quantize " + q(in_) + " " + q(out_) + " --exclude '(a*)*b'");
+  ASSERT_EQ(r.code, 0) << r.output.substr(0, 2000);
+  auto f = SafetensorsFile::open(out_.string());
+  EXPECT_EQ(f->find(long_name)->dtype, DType::U8);   // not excluded: quantized
+  EXPECT_EQ(f->find("b.weight")->dtype, DType::F32);  // excluded
+  fs::remove(out_);
+  r = run_tool("quantize " + q(in_) + " " + q(out_) + " --include '^(a|aa)+\\.weight$'");
+  ASSERT_EQ(r.code, 0) << r.output.substr(0, 2000);
+  f = SafetensorsFile::open(out_.string());
+  EXPECT_EQ(f->find(long_name)->dtype, DType::U8);
+  EXPECT_EQ(f->find("b.weight")->dtype, DType::F32);
+  // Syntax outside the supported subset is named as such.
+  r = run_tool("quantize " + q(in_) + " " + q(out_) + " --include '(?=a)'");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("--include '(?=a)' is not a supported pattern"), std::string::npos)
+      << r.output;
+}
+
+// Packed codes declared [0, 2^62]: an empty tensor, valid as a file, whose unpacked width
+// 2 x 2^62 does not fit in int64 (it once overflowed in dequantize and inspect).
+TEST_F(ToolQuantize, AbsurdPackedWidths) {
+  const int64_t half = int64_t(1) << 62;
+  write_file(in_, {{{"m.weight", DType::U8, {0, half}}, {}},
+                   {{"m.weight_scale", DType::F8_E4M3, {0, half / 8}}, {}},
+                   {{"m.weight_scale_2", DType::F32, {}}, to_bytes(std::vector<float>{1.0f})}});
+  for (const std::string cmd : {"dequantize " + q(in_) + " " + q(out_), "inspect " + q(in_)}) {
+    const ToolResult r = run_tool(cmd);
+    EXPECT_EQ(r.code, 1) << cmd << ": " << r.output;
+    EXPECT_NE(r.output.find("'m.weight'"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("must fit in int64"), std::string::npos) << r.output;
+  }
 }
 
 }  // namespace

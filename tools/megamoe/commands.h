@@ -43,6 +43,7 @@ struct LayerJob {
   std::vector<uint16_t> hidden;  // [T, H] bf16
   reference::TopK topk;          // given, or routed
   bool given_routing = false;
+  std::vector<std::string> input_files;  // every file read: the output must be none of them
   const char* routing_name() const {
     return given_routing ? "given routing" : routing_kind_name(layer.routing.kind);
   }
@@ -83,6 +84,15 @@ void parallel_ranges(int64_t n, int threads, const std::function<void(int64_t, i
 // Throws megamoe::Error(kInvalidArgument) when `out` names the same file as `in`: the output is
 // written while the input is memory-mapped, and truncating a mapped file kills the process.
 void check_distinct_files(const std::string& in, const std::string& out);
+
+// Throws megamoe::Error(kInvalidArgument) when `out` exists and is the same file (by device and
+// inode, so also through a link or another path) as one of `inputs`: writing it would truncate a
+// file that is memory-mapped (SIGBUS) or still to be read (garbage), or destroy a checkpoint.
+void check_output_is_not_an_input(const std::string& out, const std::vector<std::string>& inputs);
+
+// The files a checkpoint at `path` is read from: its safetensors files and, for a directory,
+// config.json, hf_quant_config.json and model.safetensors.index.json where they exist.
+std::vector<std::string> checkpoint_input_files(const Checkpoint& ckpt);
 
 // The NVFP4 linear whose packed codes `t` holds, if any: a ModelOpt `base.weight` (U8, with an
 // F8_E4M3 `base.weight_scale`) or a compressed-tensors `base.weight_packed`. Returns `base`.

@@ -1,4 +1,6 @@
 // Helpers shared by the subcommands of the `megamoe` tool.
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -104,6 +106,30 @@ void check_distinct_files(const std::string& in, const std::string& out) {
   std::error_code ec;
   MEGAMOE_CHECK(!std::filesystem::equivalent(in, out, ec), kInvalidArgument, "the output '", out,
                 "' is the input file '", in, "'; write the result to a different file.");
+}
+
+void check_output_is_not_an_input(const std::string& out, const std::vector<std::string>& inputs) {
+  struct stat o {};
+  if (::stat(out.c_str(), &o) != 0) return;  // a new file cannot be an input
+  for (const std::string& in : inputs) {
+    struct stat i {};
+    if (::stat(in.c_str(), &i) != 0) continue;
+    MEGAMOE_CHECK(i.st_dev != o.st_dev || i.st_ino != o.st_ino, kInvalidArgument, "the output '",
+                  out, "' is the input file '", in,
+                  "'; write the result to a different file (never onto a file being read).");
+  }
+}
+
+std::vector<std::string> checkpoint_input_files(const Checkpoint& ckpt) {
+  std::vector<std::string> files;
+  for (const auto& f : ckpt.files()) files.push_back(f->path());
+  std::error_code ec;
+  if (std::filesystem::is_directory(ckpt.path(), ec)) {
+    for (const char* name : {"config.json", "hf_quant_config.json", "model.safetensors.index.json"}) {
+      files.push_back((std::filesystem::path(ckpt.path()) / name).string());
+    }
+  }
+  return files;
 }
 
 namespace {

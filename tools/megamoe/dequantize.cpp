@@ -69,6 +69,7 @@ void dequantize_linear(const Checkpoint& ckpt, const TensorRef& packed, const st
 void run_dequantize(const DequantizeArgs& args) {
   check_distinct_files(args.input, args.output);
   const Checkpoint ckpt = Checkpoint::open(args.input);
+  check_output_is_not_an_input(args.output, checkpoint_input_files(ckpt));
 
   // Input order (file by file, by offset) is kept; each linear is written where its codes were.
   std::vector<Item> items;
@@ -100,6 +101,11 @@ void run_dequantize(const DequantizeArgs& args) {
       MEGAMOE_CHECK(t.shape.size() == 2, kInvalidCheckpoint, "NVFP4 tensor '", t.name, "' in '",
                     it.tensor.file->path(), "' has shape ", shape_string(t.shape),
                     "; dequantize handles 2-D linear weights [out, in/2].");
+      // The BF16 weight is [out, 2 * in/2]: its width must fit in int64.
+      MEGAMOE_CHECK(t.shape[1] <= INT64_MAX / 2, kInvalidCheckpoint, "NVFP4 tensor '", t.name,
+                    "' in '", it.tensor.file->path(), "' has shape ", shape_string(t.shape),
+                    "; in/2 may be at most ", INT64_MAX / 2, " (the dequantized width 2 x in/2 "
+                    "must fit in int64).");
       specs.push_back({*it.nvfp4_base + ".weight", DType::BF16, {t.shape[0], 2 * t.shape[1]}});
       ++linears;
     } else if (!companion.count(t.name)) {

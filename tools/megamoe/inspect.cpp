@@ -58,12 +58,21 @@ std::optional<float> scalar_value(const Checkpoint& ckpt, const std::string& nam
   return load_as_f32(t->info->dtype, t->bytes.data(), 0);
 }
 
+// The unpacked width 2 x [in/2] of packed e2m1 codes; a header may declare any width for an
+// empty tensor, so the doubling is checked.
+int64_t packed_width_to_cols(const TensorInfo& t) {
+  MEGAMOE_CHECK(t.shape[1] <= INT64_MAX / 2, kInvalidCheckpoint, "packed e2m1 tensor '", t.name,
+                "' has shape ", shape_string(t.shape), "; in/2 may be at most ", INT64_MAX / 2,
+                " (the unpacked width 2 x in/2 must fit in int64).");
+  return 2 * t.shape[1];
+}
+
 ScaleStats scale_stats(const Checkpoint& ckpt, const TensorRef& packed, const std::string& base) {
   ScaleStats s;
   s.base = base;
   if (packed.info->shape.size() == 2) {
     s.rows = packed.info->shape[0];
-    s.cols = 2 * packed.info->shape[1];
+    s.cols = packed_width_to_cols(*packed.info);
   }
   if (auto g = scalar_value(ckpt, base + ".weight_scale_2")) {
     s.global_scale = *g;
@@ -122,7 +131,7 @@ std::vector<MoeLayerInfo> find_moe_layers(const Checkpoint& ckpt,
       if (t.shape.size() == 2) {
         const bool packed = t.dtype == DType::U8;
         info.intermediate_size = t.shape[0];
-        info.hidden_size = packed ? 2 * t.shape[1] : t.shape[1];
+        info.hidden_size = packed ? packed_width_to_cols(t) : t.shape[1];
       }
     }
   }

@@ -19,11 +19,14 @@ reference::TopK read_topk(const SafetensorsFile& x, const TensorInfo& ids, const
   MEGAMOE_CHECK(ids.dtype == DType::I32 || ids.dtype == DType::I64, kInvalidArgument,
                 "tensor 'topk_ids' of '", path, "' has dtype ", dtype_name(ids.dtype),
                 "; expected I32 or I64.");
-  MEGAMOE_CHECK(ids.shape.size() == 2 && ids.shape[0] == tokens && ids.shape[1] >= 1,
+  // k is checked as the int64 it is stored as before it becomes TopK's int: a width of 2^32 + 1
+  // must not wrap around to 1.
+  MEGAMOE_CHECK(ids.shape.size() == 2 && ids.shape[0] == tokens && ids.shape[1] >= 1 &&
+                    ids.shape[1] <= num_experts,
                 kInvalidArgument, "tensor 'topk_ids' of '", path, "' has shape ",
-                shape_string(ids.shape), "; expected [", tokens,
-                ", k] with k >= 1 (one row per "
-                "token of 'hidden').");
+                shape_string(ids.shape), "; expected [", tokens, ", k] with 1 <= k <= ",
+                num_experts, " (one row per token of 'hidden', at most one slot per expert of the "
+                "layer).");
   MEGAMOE_CHECK(w.dtype == DType::F32, kInvalidArgument, "tensor 'topk_weights' of '", path,
                 "' has dtype ", dtype_name(w.dtype), "; expected F32.");
   MEGAMOE_CHECK(w.shape == ids.shape, kInvalidArgument, "tensor 'topk_weights' of '", path,
@@ -64,7 +67,9 @@ LayerJob load_layer_job(const std::string& checkpoint, int64_t layer_index, cons
   LayerJob job;
   job.layer_index = layer_index;
   const ModelConfig config = load_model_config(checkpoint);
-  job.layer = load_moe_layer(Checkpoint::open(checkpoint), config, layer_index);
+  const Checkpoint ckpt = Checkpoint::open(checkpoint);
+  job.layer = load_moe_layer(ckpt, config, layer_index);
+  job.input_files = checkpoint_input_files(ckpt);
   const MoeLayer& layer = job.layer;
   const int64_t H = layer.hidden_size;
 
@@ -80,7 +85,19 @@ LayerJob load_layer_job(const std::string& checkpoint, int64_t layer_index, cons
                 "' has hidden_size ", H, ".");
   const int64_t tokens = hidden->shape[0];
   job.hidden.resize(size_t(tokens * H));
-  std::memcpy(job.hidden.data(), x->bytes(*hidden).data(), job.hidden.size() * sizeof(uint16_t));
+  // tokens == 0 is a valid, empty batch; memcpy must not see the null data() of empty vectors.
+  if (!job.hidden.empty()) {
+    std::memcpy(job.hidden.data(), x->bytes(*hidden).data(), job.hidden.size() * sizeof(uint16_t));
+  }
+  // Checked here, whatever the routing: a NaN or Inf token would otherwise come out as a NaN row
+  // with given routing, or be blamed on a router logit.
+  for (size_t i = 0; i < job.hidden.size(); ++i) {
+    const float v = bf16_to_f32(job.hidden[i]);
+    MEGAMOE_CHECK(std::isfinite(v), kInvalidArgument, "tensor 'hidden' of '", input, "' holds ", v,
+                  " at [", int64_t(i) / H, ", ", int64_t(i) % H,
+                  "]; the layer input must be finite.");
+  }
+  job.input_files.push_back(input);
 
   const TensorInfo* ids = x->find("topk_ids");
   const TensorInfo* weights = x->find("topk_weights");

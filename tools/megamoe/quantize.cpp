@@ -8,11 +8,11 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <regex>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "checkpoint/name_pattern.h"
 #include "commands.h"
 #include "megamoe/format.h"
 #include "megamoe/safetensors.h"
@@ -36,14 +36,11 @@ constexpr std::string_view kWeightSuffix = ".weight";
 constexpr int64_t kChunkElements = int64_t(8) << 20;
 constexpr uint64_t kCopyChunkBytes = uint64_t(64) << 20;
 
-std::optional<std::regex> compile_regex(const std::string& text, const char* option) {
+// Names are matched by NamePattern (linear time, no recursion): a user's pattern must not
+// backtrack forever, nor a 200,000-character tensor name overflow the stack.
+std::optional<NamePattern> compile_pattern(const std::string& text, const char* option) {
   if (text.empty()) return std::nullopt;
-  try {
-    return std::regex(text, std::regex::ECMAScript);
-  } catch (const std::regex_error& e) {
-    MEGAMOE_FAIL(kInvalidArgument, option, " '", text,
-                 "' is not a valid ECMAScript regular expression (", e.what(), ").");
-  }
+  return NamePattern::compile(text, option);
 }
 
 // A tensor the recipe applies to: a 2-D float `*.weight` whose K is a whole number of blocks.
@@ -62,20 +59,20 @@ struct Plan {
 // ModelOpt's exporter gives linears that read the same input one amax, the group's max, and so
 // one weight_scale_2 (and one input_scale): it finds them by running the model, and a tensor file
 // has only names, so these are the names of the groups it forms in the supported models. A name
-// matching `pattern` belongs to the group named by the text before the suffix.
+// "<prefix>.<member>.weight" belongs to the group named by <prefix>. Matched by suffix, in time
+// linear in the name (no regex: a name may be as long as the header allows).
 struct FusedGroupRule {
-  const char* members;  // for messages
-  std::regex pattern;   // group 1: the shared prefix
+  const char* members;                // for messages
+  std::vector<std::string> suffixes;  // ".<member>.weight"
 };
 const std::vector<FusedGroupRule>& fused_group_rules() {
   static const std::vector<FusedGroupRule> rules = {
       // MLP / expert / shared expert: gate and up read the same hidden state.
-      {"gate_proj, up_proj", std::regex(R"(^(.*)\.(gate_proj|up_proj)\.weight$)")},
+      {"gate_proj, up_proj", {".gate_proj.weight", ".up_proj.weight"}},
       // Attention: q, k and v read the same normalised hidden state.
-      {"q_proj, k_proj, v_proj", std::regex(R"(^(.*)\.(q_proj|k_proj|v_proj)\.weight$)")},
+      {"q_proj, k_proj, v_proj", {".q_proj.weight", ".k_proj.weight", ".v_proj.weight"}},
       // DeepSeek's multi-head latent attention: both down-projections read the hidden state.
-      {"q_a_proj, kv_a_proj_with_mqa",
-       std::regex(R"(^(.*)\.(q_a_proj|kv_a_proj_with_mqa)\.weight$)")},
+      {"q_a_proj, kv_a_proj_with_mqa", {".q_a_proj.weight", ".kv_a_proj_with_mqa.weight"}},
   };
   return rules;
 }
@@ -83,9 +80,10 @@ const std::vector<FusedGroupRule>& fused_group_rules() {
 // The fused group of a quantized tensor ("<prefix> (<members>)"), or nothing.
 std::optional<std::string> fused_group(const std::string& name) {
   for (const FusedGroupRule& rule : fused_group_rules()) {
-    std::smatch m;
-    if (std::regex_match(name, m, rule.pattern)) {
-      return m[1].str() + " (" + rule.members + ")";
+    for (const std::string& suffix : rule.suffixes) {
+      if (name.ends_with(suffix)) {
+        return name.substr(0, name.size() - suffix.size()) + " (" + rule.members + ")";
+      }
     }
   }
   return std::nullopt;
@@ -158,8 +156,8 @@ void quantize_tensor(const SafetensorsFile& in, const TensorInfo& t, float globa
 
 void run_quantize(const QuantizeArgs& args) {
   check_distinct_files(args.input, args.output);
-  const std::optional<std::regex> include = compile_regex(args.include, "--include");
-  const std::optional<std::regex> exclude = compile_regex(args.exclude, "--exclude");
+  const std::optional<NamePattern> include = compile_pattern(args.include, "--include");
+  const std::optional<NamePattern> exclude = compile_pattern(args.exclude, "--exclude");
   const std::shared_ptr<const SafetensorsFile> in = SafetensorsFile::open(args.input);
 
   std::set<std::string> input_names;
@@ -170,8 +168,8 @@ void run_quantize(const QuantizeArgs& args) {
   uint64_t total_bytes = 0;
   size_t quantized = 0;
   for (const TensorInfo& t : in->tensors()) {
-    const bool selected = (!include || std::regex_search(t.name, *include)) &&
-                          !(exclude && std::regex_search(t.name, *exclude));
+    const bool selected = (!include || include->search(t.name)) &&
+                          !(exclude && exclude->search(t.name));
     const bool quantize = selected && is_quantizable(t);
     plan.push_back({&t, quantize});
     total_bytes += t.nbytes();
@@ -275,9 +273,11 @@ Command add_quantize_command(CLI::App& parent) {
   app->add_option("input", args->input, "input .safetensors file")->required();
   app->add_option("output", args->output, "output .safetensors file")->required();
   app->add_option("--include", args->include,
-                  "quantize only tensors whose name matches this regex (std::regex_search)");
+                  "quantize only tensors whose name matches this regex (searched anywhere in the "
+                  "name; the ECMAScript subset of the README)");
   app->add_option("--exclude", args->exclude,
-                  "do not quantize tensors whose name matches this regex (std::regex_search)");
+                  "do not quantize tensors whose name matches this regex (searched anywhere in "
+                  "the name; the ECMAScript subset of the README)");
   app->add_option("--export-device", args->device,
                   "write the bytes of a ModelOpt export run on this device: 'gpu' (default, where "
                   "published checkpoints are exported) computes weight_scale_2 as amax * "

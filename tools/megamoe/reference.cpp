@@ -27,6 +27,7 @@ void run_reference(const ReferenceArgs& args) {
                 "; use 0 for all cores or a positive count.");
   check_distinct_files(args.input, args.output);
   const LayerJob job = load_layer_job(args.checkpoint, args.layer, args.input);
+  check_output_is_not_an_input(args.output, job.input_files);
   const std::vector<uint16_t> out =
       reference::moe_forward(job.layer, job.hidden, job.topk.tokens, job.topk, {.threads = args.threads});
   write_layer_output(args.output, job, out);

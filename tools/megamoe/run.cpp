@@ -207,6 +207,7 @@ void run_gpu(const RunArgs& args) {
                 "no CUDA device found; `megamoe run` needs a Hopper GPU (use `megamoe reference` "
                 "for the CPU reference).");
   const LayerJob job = load_layer_job(args.checkpoint, args.layer, args.input);
+  check_output_is_not_an_input(args.output, job.input_files);
   const int64_t T = job.topk.tokens, H = job.layer.hidden_size;
 
   MoeProblem problem = MoeProblem::from_layer(job.layer, T);
