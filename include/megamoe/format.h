@@ -1,4 +1,4 @@
-// NVFP4 numerics (DESIGN.md §2, normative): e2m1 elements, ue4m3 block scales (one per 16
+// NVFP4 numerics (docs/design.md §2, normative): e2m1 elements, ue4m3 block scales (one per 16
 // elements along K), the fp32 per-tensor global scale, and MXFP4's ue8m0 block-32 scales.
 // Host code only; device decoders live in src/kernels/common.
 #pragma once
@@ -64,7 +64,7 @@ struct Nvfp4View {
   float global_scale = 1.0f;        // weight_scale_2
 };
 
-// Where ModelOpt's exporter ran, which changes its bytes in two places (DESIGN.md §2):
+// Where ModelOpt's exporter ran, which changes its bytes in two places (docs/design.md §2):
 //  - the global scale: PyTorch evaluates `amax / (6.0 * 448.0)` as a true division on the CPU
 //    but as amax * fl32(1/2688) on a CUDA tensor; the two are one fp32 ulp apart for about a
 //    fifth of amax values, which moves about 0.5% of the codes;
@@ -95,7 +95,7 @@ bool is_modelopt_zero_weight(const Nvfp4View& w);
 bool zero_weight_to_decodable(uint8_t* codes, uint8_t* scales, float& global_scale, int64_t rows,
                               int64_t cols);
 
-// ModelOpt weight recipe (DESIGN.md §2), bit for bit:
+// ModelOpt weight recipe (docs/design.md §2), bit for bit:
 //   s2 = amax(|W|)/2688 (evaluated as on `device`); per block b = amax_block/(6*s2), 1.0 where
 //   the block is all zero, clamped to [2^-9, 448], rounded to e4m3 (RNE); code =
 //   e2m1_rne(x/(b*s2)). All fp32, in ModelOpt's evaluation order (format.cpp documents each
@@ -126,7 +126,7 @@ void dequantize(const Nvfp4View& w, std::span<float> out);
 // a bf16 tie. `out` holds bf16 bit patterns.
 void dequantize_to_bf16(const Nvfp4View& w, std::span<uint16_t> out);
 
-// Activation recipe (DESIGN.md §2): gs = 2688/amax (or the reciprocal of a static input_scale);
+// Activation recipe (docs/design.md §2): gs = 2688/amax (or the reciprocal of a static input_scale);
 // sf = e4m3_rne(gs*amax_block/6) saturating at 448; element = e2m1_rne(x*gs/sf) (0 where sf==0).
 // x is [rows, cols], cols % 16 == 0. Outputs codes [rows, cols/2], scales [rows, cols/16].
 void quantize_activation(std::span<const float> x, int64_t rows, int64_t cols, float gs,

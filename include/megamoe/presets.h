@@ -1,4 +1,4 @@
-// Model presets (DESIGN.md §4) and the synthetic-layer generator used by `megamoe synth`, the
+// Model presets (docs/design.md §4) and the synthetic-layer generator used by `megamoe synth`, the
 // benchmark and the tests.
 #pragma once
 
@@ -31,7 +31,7 @@ const ModelPreset& find_preset(const std::string& name);
 struct SynthOptions {
   uint64_t seed = 0x5eed;
   int64_t num_experts = 0;  // 0: the preset's; smaller values make small test layers
-  // -1: the preset's shared experts; 0 drops them (the routed-only layer of DESIGN.md §4's
+  // -1: the preset's shared experts; 0 drops them (the routed-only layer of docs/design.md §4's
   // floors and peer figures); a positive count replaces them.
   int64_t shared_experts = -1;
   int threads = 0;          // 0: hardware concurrency

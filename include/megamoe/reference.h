@@ -29,7 +29,7 @@ struct TopK {
 std::vector<float> router_logits(const MoeLayer& layer, std::span<const uint16_t> hidden_bf16,
                                  int64_t tokens);
 
-// Routing per DESIGN.md §2. Softmax: p = softmax(logits) in double; top-k by p (ties to the
+// Routing per docs/design.md §2. Softmax: p = softmax(logits) in double; top-k by p (ties to the
 // lower index); renormalise if asked; times routed_scaling_factor. noaux_tc: s = sigmoid(l);
 // choice score s + bias; group score = sum of the group's top-2 choice scores; keep the best
 // topk_group groups (ties to the lower group); top-k experts among them by choice score (ties
@@ -54,7 +54,7 @@ struct ForwardOptions {
                              // 0: as many as keep the per-(token, slot) outputs near 64 MiB
 };
 
-// W4A16 forward (DESIGN.md §2) from the NVFP4 tensors: per (token, expert) g = x·Wgᵀ·s2_gate,
+// W4A16 forward (docs/design.md §2) from the NVFP4 tensors: per (token, expert) g = x·Wgᵀ·s2_gate,
 // u = x·Wuᵀ·s2_up (double accumulation of exact products); optional clamp g <= L, |u| <= L;
 // a = bf16(silu(g)·u); y = a·Wdᵀ·s2_down; out = bf16(Σ_k w_k·y_k + y_shared), summed in
 // double in top-k order. Ids must be in [0, E) (throws kInvalidArgument otherwise); a repeated

@@ -46,7 +46,7 @@ struct MoeTuning {
   std::optional<bool> absorbing_tile;
 };
 
-// The stacked NVFP4 expert layout inference engines keep on the GPU (DESIGN.md §2): DEVICE
+// The stacked NVFP4 expert layout inference engines keep on the GPU (docs/design.md §2): DEVICE
 // pointers to row-major, contiguous tensors. Codes are packed e2m1 (element 2j in the low nibble),
 // block scales ue4m3 bytes (one per 16 elements along K), global scales fp32 (multiply).
 struct StackedNvfp4Weights {
@@ -136,7 +136,7 @@ class MoePlan {
 void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs& args,
          cudaStream_t stream);
 
-// Router logits to top-k ids and weights on the device (DESIGN.md §2): the selection and the
+// Router logits to top-k ids and weights on the device (docs/design.md §2): the selection and the
 // weights of reference::route, computed the same way in double precision (so ties go to the lower
 // expert index and rows list experts by selection score descending, exactly as there). Weights
 // may differ from the reference's in the last fp32 bit where the device's exp() differs from the

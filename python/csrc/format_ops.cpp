@@ -1,4 +1,4 @@
-// megamoe::quantize_nvfp4 and megamoe::dequantize_nvfp4: the NVFP4 codecs of DESIGN.md §2 on 2-D
+// megamoe::quantize_nvfp4 and megamoe::dequantize_nvfp4: the NVFP4 codecs of docs/design.md §2 on 2-D
 // weights [N, K] or stacked expert weights [E, N, K] (one global scale per expert).
 //
 // Quantization is the ModelOpt recipe of the host library (format::quantize_weight_modelopt),

@@ -37,7 +37,7 @@ constexpr const char* kFused = "fused_moe_nvfp4";
 constexpr const char* kRelease = "moe_release";
 constexpr const char* kDescribe = "moe_describe";
 
-// The stacked layer tensors as the ops receive them (DESIGN.md §2 engine layout).
+// The stacked layer tensors as the ops receive them (docs/design.md §2 engine layout).
 struct Stacked {
   at::Tensor w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2;
   std::optional<at::Tensor> shared_w13, shared_w13_scale, shared_w13_scale_2, shared_w2,

@@ -5,7 +5,7 @@
 #include <torch/library.h>
 
 TORCH_LIBRARY(megamoe, m) {
-  // The fused W4A16 MoE layer (DESIGN.md §2) on the stacked engine layout: hidden [T, H] bf16,
+  // The fused W4A16 MoE layer (docs/design.md §2) on the stacked engine layout: hidden [T, H] bf16,
   // w13 u8 [E, 2I, H/2] (rows gate then up), w13_scale f8e4m3 [E, 2I, H/16], w13_scale_2 f32
   // [E, 2], w2 u8 [E, H, I/2], w2_scale f8e4m3 [E, H, I/16], w2_scale_2 f32 [E], topk_weights
   // [T, k] (f32/bf16/f16), topk_ids [T, k] (int32/int64) -> [T, H] bf16. `handle` is the prepared
@@ -36,14 +36,14 @@ TORCH_LIBRARY(megamoe, m) {
   // The prepared layer, its memory and the kernel configuration chosen for `tokens`, as text.
   m.def("moe_describe(int handle, int tokens) -> str");
 
-  // Router logits [T, E] f32 -> (topk_weights [T, k] f32, topk_ids [T, k] int32), DESIGN.md §2:
+  // Router logits [T, E] f32 -> (topk_weights [T, k] f32, topk_ids [T, k] int32), docs/design.md §2:
   // method "softmax" (Qwen3, Mixtral) or "noaux_tc" (DeepSeek-V3: sigmoid, groups, bias).
   m.def(
       "route(Tensor router_logits, *, int top_k, str method=\"softmax\", bool renormalize=True, "
       "int n_group=1, int topk_group=1, float routed_scaling_factor=1.0, "
       "Tensor? e_score_correction_bias=None) -> (Tensor topk_weights, Tensor topk_ids)");
 
-  // ModelOpt NVFP4 weight quantization (DESIGN.md §2), bit for bit: weight [N, K] or [E, N, K]
+  // ModelOpt NVFP4 weight quantization (docs/design.md §2), bit for bit: weight [N, K] or [E, N, K]
   // (f32/bf16/f16) -> (codes u8 [.., N, K/2], scales f8e4m3 [.., N, K/16], weight_scale_2 f32
   // [] or [E]). Runs on the host (a CUDA input is copied there and the results back).
   m.def("quantize_nvfp4(Tensor weight) -> (Tensor weight, Tensor weight_scale, Tensor weight_scale_2)");

@@ -14,7 +14,7 @@ _METHODS = ("softmax", "noaux_tc")
 
 
 class NVFP4MoE(torch.nn.Module):
-    """A Mixture-of-Experts layer whose experts are NVFP4 (W4A16 on Hopper, DESIGN.md §2).
+    """A Mixture-of-Experts layer whose experts are NVFP4 (W4A16 on Hopper, docs/design.md §2).
 
     The weights are buffers in the stacked engine layout, with the checkpoint's bits:
     ``w13`` uint8 [E, 2I, H/2] (rows gate then up), ``w13_scale`` float8_e4m3fn [E, 2I, H/16],

@@ -1,4 +1,4 @@
-// NVFP4 / MXFP4 host numerics (DESIGN.md §2). Everything here is exact or rounds once, to
+// NVFP4 / MXFP4 host numerics (docs/design.md §2). Everything here is exact or rounds once, to
 // nearest even, at the point the design says; there is no fast-math anywhere in this file.
 #include "megamoe/format.h"
 
@@ -55,7 +55,7 @@ constexpr std::array<float, 16> kE2m1Values = {0.0f,  0.5f,  1.0f,  1.5f,  2.0f,
                                                -2.0f, -3.0f, -4.0f, -6.0f};
 
 // Magnitude code (0..7) of a = |q| on the E2M1 grid, round to nearest even, saturating at 6.
-// Each comparison is one boundary of DESIGN.md §2: a tie between two grid points goes to the
+// Each comparison is one boundary of docs/design.md §2: a tie between two grid points goes to the
 // even code, so the comparison is strict (>) where the lower neighbour is even and >= where the
 // upper one is. This is ModelOpt's searchsorted + "odd bound rounds up" written out. NaN fails
 // every comparison and maps to 0; +inf passes all and maps to 7 (6.0).
@@ -134,7 +134,7 @@ void check_ue4m3_scales(const char* fn, const uint8_t* scales, int64_t n, int64_
   }
 }
 
-// The ModelOpt block loop (DESIGN.md §2), given s2. All arithmetic is fp32, in the order
+// The ModelOpt block loop (docs/design.md §2), given s2. All arithmetic is fp32, in the order
 // PyTorch evaluates ModelOpt's NVFP4QTensor expressions, so every rounding matches:
 //   ratio   = fl32(amax_block / fl32(6 * s2))      get_weights_scaling_factor: amax / (6.0 * s2)
 //   ratio   = 1.0 where ratio == 0                  "per_block_scale[per_block_scale == 0] = 1.0"
@@ -144,7 +144,7 @@ void check_ue4m3_scales(const char* fn, const uint8_t* scales, int64_t n, int64_
 //                                                   not x / scale / s2: each rounds differently)
 //   code    = e2m1_rne(q), sign from (q < 0)        _cast_fp4
 // ratio == 0 is exactly "the block amax is 0" except where amax_block / (6 * s2) underflows
-// fp32; there ModelOpt also writes 1.0 and every code is 0 either way. The clamp is DESIGN.md's:
+// fp32; there ModelOpt also writes 1.0 and every code is 0 either way. The clamp is docs/design.md's:
 // it only changes ratios <= 2^-10 (which e4m3 would round to a zero scale, making the block
 // undecodable) and ratios above 448 (only reachable with a caller-given global scale).
 // Inputs are known finite and shapes checked. No allocation: it is the hot loop of `quantize`.

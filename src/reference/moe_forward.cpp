@@ -1,4 +1,4 @@
-// Reference W4A16 MoE forward (DESIGN.md §2), straight from the NVFP4 bytes.
+// Reference W4A16 MoE forward (docs/design.md §2), straight from the NVFP4 bytes.
 //
 // Numerics, per (token, expert):
 //   g = (Σ_k x[k]·Wg[i,k]) · s2_gate     u = (Σ_k x[k]·Wu[i,k]) · s2_up
@@ -69,7 +69,7 @@ using detail::Task;
 using detail::Unit;
 
 // The two e2m1 values of every packed byte: [byte][0] is the low nibble (even element),
-// [byte][1] the high nibble (odd element), DESIGN.md §2.
+// [byte][1] the high nibble (odd element), docs/design.md §2.
 struct E2m1PairTable {
   std::array<std::array<float, 2>, 256> v;
   E2m1PairTable() {

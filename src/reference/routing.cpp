@@ -1,4 +1,4 @@
-// Reference routing (DESIGN.md §2): router logits, softmax top-k and DeepSeek noaux_tc.
+// Reference routing (docs/design.md §2): router logits, softmax top-k and DeepSeek noaux_tc.
 //
 // Written for clarity, not speed: every score is computed in double from the fp32 logits, every
 // selection is a full sort with an explicit (score descending, index ascending) order, and the

@@ -1,4 +1,4 @@
-// Model presets of DESIGN.md §4: the MoE-layer shapes and routing of the models this library
+// Model presets of docs/design.md §4: the MoE-layer shapes and routing of the models this library
 // targets, used by `megamoe synth`, the benchmark and the tests.
 #include "megamoe/presets.h"
 

@@ -89,7 +89,7 @@ constexpr float kRowLogStd = 0.35f;    // per-row log-normal magnitude (channels
 constexpr float kBlockLogStd = 0.25f;  // per-16-block log-normal magnitude along a row
 // About 1 block in 512 is nearly dead (2^-10 of its row's magnitude): its ue4m3 scale lands in
 // the subnormal range (codes 0x01-0x07), which real checkpoints have and decoders get wrong
-// (DESIGN.md §5).
+// (docs/design.md §5).
 constexpr uint32_t kDeadBlockEvents = 128;  // out of 2^16
 constexpr float kDeadBlockFactor = 1.0f / 1024.0f;
 // About 1e-4 of the elements are outliers of 10x-30x the local magnitude, as in real weights.
@@ -100,7 +100,7 @@ constexpr float kOutlierMax = 30.0f;
 // is clamped to a planted peak of kPeakRatio x its std, jittered per module (log-normal) so that
 // experts differ. gate, up and down of one module share the jitter and differ by their std
 // factors below, so their global scales (weight_scale_2) are always clearly different, as in
-// real checkpoints (DESIGN.md §2): a kernel that applied one projection's scale to another fails
+// real checkpoints (docs/design.md §2): a kernel that applied one projection's scale to another fails
 // every test on synthetic layers.
 constexpr float kPeakRatio = 80.0f;
 constexpr float kPeakLogStd = 0.2f;

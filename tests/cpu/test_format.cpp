@@ -1,4 +1,4 @@
-// NVFP4 / MXFP4 numerics (include/megamoe/format.h, DESIGN.md §2). Small domains are checked
+// NVFP4 / MXFP4 numerics (include/megamoe/format.h, docs/design.md §2). Small domains are checked
 // exhaustively against formulas and brute-force nearest-value searches written independently in
 // this file; the ModelOpt recipe against hand-computed bytes and, on fresh random data with
 // scales that vary per row and per block, against its defining properties.

@@ -14,7 +14,7 @@
 namespace megamoe {
 namespace {
 
-// The problem of a model preset (megamoe/presets.h, the shapes of DESIGN.md §4).
+// The problem of a model preset (megamoe/presets.h, the shapes of docs/design.md §4).
 MoeProblem preset_problem(const std::string& name) {
   const ModelPreset& m = find_preset(name);
   MoeProblem p;

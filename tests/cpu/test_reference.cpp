@@ -37,7 +37,7 @@ using reference::TopK;
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
-// Every e2m1 code's value (DESIGN.md §2), written out: bit 3 is the sign.
+// Every e2m1 code's value (docs/design.md §2), written out: bit 3 is the sign.
 constexpr double kE2m1[16] = {0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6};
 
 // Expects fn to throw megamoe::Error(kInvalidArgument) whose message holds every part.

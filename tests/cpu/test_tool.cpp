@@ -413,7 +413,7 @@ TEST_F(SynthCheckpoint, ReducedExpertCountKeepsAValidRouting) {
 }
 
 TEST_F(SynthCheckpoint, SharedExpertsOverrideDropsOrKeepsTheSharedExpert) {
-  // DESIGN.md §4's floors and peer figures are for the routed experts only: --shared-experts 0
+  // docs/design.md §4's floors and peer figures are for the routed experts only: --shared-experts 0
   // writes that layer; the routed experts are the same tensors as in the full layer.
   megamoe::ModelPreset p = megamoe::find_preset("deepseek-v3");
   p.hidden_size = 64;

@@ -46,7 +46,7 @@ using reference::TopK;
 // ---------------------------------------------------------------------------------------------
 // Helpers and independent oracles
 
-// Every e2m1 code's value (DESIGN.md §2), written out: bit 3 is the sign.
+// Every e2m1 code's value (docs/design.md §2), written out: bit 3 is the sign.
 constexpr double kE2m1[16] = {0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6};
 
 // The value of a non-negative e4m3 code, from the format's definition (not format::).

@@ -1,4 +1,4 @@
-"""NVFP4 decoding in numpy, written from DESIGN.md §2 alone: the suite's oracle for the bytes the
+"""NVFP4 decoding in numpy, written from docs/design.md §2 alone: the suite's oracle for the bytes the
 libraries wrote, independent of megamoe and of the libraries' own decompression."""
 
 import numpy as np

@@ -82,7 +82,7 @@ def test_dequantize_rounds_once_and_matches_the_library(model, exporter, exports
         off = nvfp4.ulp_distance(lib, want)
         assert off.max() <= 1, f"{base}: the library's decompression is {off.max()} ulps off"
         # Equal wherever the library rounded correctly; the rest is its extra rounding. Equal as
-        # numbers: e2m1 code 8 is -0 (DESIGN.md §2: bit 3 is the sign), which megamoe keeps and
+        # numbers: e2m1 code 8 is -0 (docs/design.md §2: bit 3 is the sign), which megamoe keeps and
         # ModelOpt's decode table turns into +0.
         differ = nvfp4.bf16_to_f64(lib) != nvfp4.bf16_to_f64(got)
         assert np.array_equal(differ, off != 0)

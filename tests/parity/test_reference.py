@@ -1,7 +1,7 @@
 """`megamoe reference` against transformers' own MoE block of the same model, fed the exact
 dequantized weights (e2m1 * ue4m3 * s2 in float64) and run in float64.
 
-The design's forward (DESIGN.md §2) rounds twice to bf16: the SwiGLU activation a (it feeds a bf16
+The design's forward (docs/design.md §2) rounds twice to bf16: the SwiGLU activation a (it feeds a bf16
 MMA) and the output. So per output element h the two may differ by at most
     2^-8 |y_h|  +  2^-8 sum_k w_k sum_i |W2_k[h, i]| |a_k,i|  (+ the shared expert's, weight 1)
 (bf16 keeps 8 significant bits: a rounding moves a value by at most 2^-8 of itself), plus 2^-16 of

@@ -1,5 +1,5 @@
 """Independent torch oracles for the megamoe tests: NVFP4 decode and the ModelOpt recipe, routing
-(softmax / noaux_tc) and the W4A16 MoE forward of DESIGN.md §2, written from the spec with plain
+(softmax / noaux_tc) and the W4A16 MoE forward of docs/design.md §2, written from the spec with plain
 torch ops (no megamoe code), in float64 where the spec computes exactly.
 """
 
@@ -34,11 +34,11 @@ def dequantize(codes, scales, global_scale) -> torch.Tensor:
 
 
 def quantize_modelopt(w: torch.Tensor):
-    """The ModelOpt weight recipe (DESIGN.md §2) in fp32 torch ops, for one [N, K] weight."""
+    """The ModelOpt weight recipe (docs/design.md §2) in fp32 torch ops, for one [N, K] weight."""
     w = w.cpu().float()
     n, k = w.shape
     amax = w.abs().max()
-    # The GPU export's form, megamoe's default (DESIGN.md §2): PyTorch on a CUDA tensor computes
+    # The GPU export's form, megamoe's default (docs/design.md §2): PyTorch on a CUDA tensor computes
     # ModelOpt's amax / 2688 as amax * fl32(1/2688); this tensor is on the CPU, so write it out.
     s2 = amax * torch.tensor(1.0 / 2688.0, dtype=torch.float32)
     blocks = w.reshape(n, k // 16, 16)
@@ -85,7 +85,7 @@ def route(logits: torch.Tensor, top_k: int, method: str = "softmax", renormalize
 
 def moe_forward(hidden: torch.Tensor, layer: dict, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
-    """The W4A16 forward of DESIGN.md §2 in float64 (fp32 [T, H] before the final bf16 rounding).
+    """The W4A16 forward of docs/design.md §2 in float64 (fp32 [T, H] before the final bf16 rounding).
 
     ``layer`` holds the stacked tensors (w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2 and
     optionally shared_*). Per (token, expert): g, u = x . W^T times each half's global scale;

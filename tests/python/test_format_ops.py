@@ -1,4 +1,4 @@
-"""quantize_nvfp4 / dequantize_nvfp4 against the torch oracles of the NVFP4 format (DESIGN.md §2).
+"""quantize_nvfp4 / dequantize_nvfp4 against the torch oracles of the NVFP4 format (docs/design.md §2).
 
 CPU tests run wherever the package is installed; the CUDA variants need a Hopper GPU.
 """

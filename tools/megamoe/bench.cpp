@@ -24,7 +24,7 @@ Command add_bench_command(CLI::App& parent) {
       ->capture_default_str();
   app->add_option("--num-experts", opt->num_experts, "synthesize fewer experts (0: the preset's)");
   app->add_option("--shared-experts", opt->shared_experts,
-                  "synthesize this many shared experts (-1: the preset's, 0: none; DESIGN.md §4's floors and "
+                  "synthesize this many shared experts (-1: the preset's, 0: none; docs/design.md §4's floors and "
                   "peer figures are for the routed experts only)")
       ->capture_default_str();
   app->add_option("--flush", opt->flush,

@@ -1,6 +1,6 @@
 // `megamoe quantize IN.safetensors OUT.safetensors [--include REGEX] [--exclude REGEX]
 // [--export-device gpu|cpu]`: BF16/F16/F32 linear weights to ModelOpt NVFP4
-// (DESIGN.md §2) with the exporter's fused groups, bit for bit, streamed.
+// (docs/design.md §2) with the exporter's fused groups, bit for bit, streamed.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>

@@ -1,5 +1,5 @@
 // `megamoe synth --preset NAME OUT_DIR [--seed N] [--num-experts N] [--shared-experts N] [--threads N]`: a synthetic
-// ModelOpt NVFP4 checkpoint directory holding one MoE layer of a model preset (DESIGN.md §4).
+// ModelOpt NVFP4 checkpoint directory holding one MoE layer of a model preset (docs/design.md §4).
 #include <chrono>
 #include <cstdio>
 #include <filesystem>

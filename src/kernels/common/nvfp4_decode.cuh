@@ -2,7 +2,7 @@
 // dequantizer; the MoE mainloops decode their prepacked layout instead
 // (sm90/sm90_w4a16_decode.cuh). Exact by construction: an e2m1 value
 // times a ue4m3 scale has at most 6 significant bits and lies in [2^-10, 2688], so it is exactly
-// representable in bf16 (DESIGN.md §2); every step below is a bit move or an exact product.
+// representable in bf16 (docs/design.md §2); every step below is a bit move or an exact product.
 #pragma once
 
 #include <cuda_bf16.h>

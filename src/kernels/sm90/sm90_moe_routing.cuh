@@ -1,4 +1,4 @@
-// Router logits -> top-k expert ids and weights (DESIGN.md §2), one warp per token.
+// Router logits -> top-k expert ids and weights (docs/design.md §2), one warp per token.
 //
 // The selection must be the CPU reference's (reference::route): the GPU result feeds the same
 // experts and the tests compare ids exactly. So the scores are computed as the reference computes
