@@ -157,6 +157,7 @@ json read_json_file(const std::filesystem::path& path, const char* what) {
   }
   std::string text(static_cast<size_t>(st.st_size), '\0');
   size_t done = 0;
+  errno = 0;  // a short read (the file shrank) leaves it 0, and the message says so
   while (done < text.size()) {
     const ssize_t n = ::read(fd, text.data() + done, text.size() - done);
     if (n < 0 && errno == EINTR) continue;
