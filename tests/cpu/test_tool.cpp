@@ -623,7 +623,7 @@ TEST_F(ToolSynth, RunOnGpuMatchesReference) {
 // --deterministic bitwise over repeated runs. And a rank whose peer never starts fails within its
 // timeout. Needs two GPUs; skipped (visibly) elsewhere.
 TEST_F(ToolSynth, RunExpertParallelMatchesReference) {
-  if (megamoe::gpu::device_count() < 2) {
+  if (gpu_count() < 2) {
     GTEST_SKIP() << "fewer than 2 CUDA devices: `megamoe run --ep 2` test skipped (run it on a 2-GPU machine)";
   }
   seed_ = fresh_seed();
