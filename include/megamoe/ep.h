@@ -1,7 +1,8 @@
 // Expert parallelism (EP) over the GPUs of one host: R processes, one per GPU; rank r owns routed
 // experts [r·E/R, (r+1)·E/R) and a copy of the shared expert. Each rank calls the layer on its own
-// tokens with top-k ids in the global expert space and gets its tokens' outputs, equal to the
-// single-GPU layer on them (fp32 sums, one bf16 rounding at the end; docs/design.md §7).
+// tokens with top-k ids in the global expert space and gets its tokens' outputs: the single-GPU
+// layer's numerics (fp32 sums, one bf16 rounding at the end; docs/design.md §7), its fp32 sums
+// associated differently (per rank, then over ranks).
 //
 // Transport: NCCL's symmetric memory (ncclMemAlloc + ncclCommWindowRegister) and its LSA peer
 // pointers, i.e. plain loads and stores over NVLink; no NVLink multicast (the library sets

@@ -1,5 +1,6 @@
 #include "checkpoint/name_pattern.h"
 
+#include <cstdint>
 #include <cctype>
 #include <string>
 

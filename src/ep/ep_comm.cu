@@ -53,10 +53,17 @@ void wait_nccl(ncclComm_t& comm, ncclResult_t started, const char* what,
   check_nccl(poll_nccl(comm, started, what, deadline, timeout_seconds), what);
 }
 
-// The peers' window bases, resolved on the device once (ncclGetLsaPointer is a device function).
+// The peers' window bases, resolved on the device once (the pointer functions are device
+// code), by world rank; out[world] holds the window's (lsaRank, worldRank), which the host checks:
+// the bases are meaningful only where every rank is in this rank's load/store team, in order.
 __global__ void lsa_bases_kernel(ncclWindow_t win, int world, char** out) {
   const int peer = static_cast<int>(threadIdx.x);
-  if (peer < world) out[peer] = static_cast<char*>(ncclGetLsaPointer(win, 0, peer));
+  if (peer < world) out[peer] = static_cast<char*>(ncclGetPeerPointer(win, 0, peer));
+  if (peer == 0) {
+    int* ranks = reinterpret_cast<int*>(out + world);
+    ranks[0] = win->lsaRank;
+    ranks[1] = win->worldRank;
+  }
 }
 
 }  // namespace
@@ -129,8 +136,8 @@ struct SymmetricComm::Nccl {
     }
     if (buffer) ncclMemFree(buffer);
     if (comm) {
-      if (settle(ncclCommFinalize(comm)) == ncclInProgress) {
-        ncclCommAbort(comm);  // a peer is gone: finalising would wait for it forever
+      if (settle(ncclCommFinalize(comm)) != ncclSuccess) {
+        ncclCommAbort(comm);  // a peer is gone or the communicator failed: destroying would wait or misbehave
       } else {
         ncclCommDestroy(comm);
       }
@@ -179,13 +186,18 @@ SymmetricComm::SymmetricComm(const EpUniqueId& id, int world, int rank, size_t w
   gpu::check_cuda(cudaDeviceSynchronize(), "cudaMemset(symmetric window)");
   wait_nccl(nccl_->comm, ncclCommWindowRegister(nccl_->comm, nccl_->buffer, bytes, &nccl_->window, NCCL_WIN_DEFAULT),
             "ncclCommWindowRegister", deadline, timeout_seconds);
-  gpu::check_cuda(cudaMalloc(&nccl_->bases, sizeof(char*) * static_cast<size_t>(world)), "cudaMalloc");
+  gpu::check_cuda(cudaMalloc(&nccl_->bases, sizeof(char*) * static_cast<size_t>(world + 1)), "cudaMalloc");
   lsa_bases_kernel<<<1, 32>>>(nccl_->window, world, nccl_->bases);
   gpu::check_cuda(cudaGetLastError(), "lsa_bases_kernel launch");
-  peers_.assign(static_cast<size_t>(world), nullptr);
-  gpu::check_cuda(cudaMemcpy(peers_.data(), nccl_->bases, sizeof(char*) * static_cast<size_t>(world),
-                             cudaMemcpyDeviceToHost),
+  std::vector<char*> bases(static_cast<size_t>(world + 1), nullptr);
+  gpu::check_cuda(cudaMemcpy(bases.data(), nccl_->bases, sizeof(char*) * bases.size(), cudaMemcpyDeviceToHost),
                   "cudaMemcpy(peer bases)");
+  int window_ranks[2];
+  std::memcpy(window_ranks, &bases[static_cast<size_t>(world)], sizeof(window_ranks));
+  MEGAMOE_CHECK(window_ranks[0] == rank && window_ranks[1] == rank, kUnsupported, "expert parallelism: rank ", rank,
+                " is rank ", window_ranks[0], " of its NVLink load/store team (world rank ", window_ranks[1],
+                "): every rank must reach every other over NVLink (the GPUs of one host)");
+  peers_.assign(bases.begin(), bases.begin() + world);
   const int64_t me = rank;
   gpu::check_cuda(cudaMemcpy(nccl_->buffer, &me, sizeof(me), cudaMemcpyHostToDevice), "cudaMemcpy(peer check)");
   // Every rank's window is zeroed before any peer writes into it (registration and the device
@@ -194,9 +206,19 @@ SymmetricComm::SymmetricComm(const EpUniqueId& id, int world, int rank, size_t w
   gpu::check_cuda(cudaMalloc(&one, sizeof(int32_t)), "cudaMalloc");
   const ncclResult_t synced = ncclAllReduce(one, one, 1, ncclInt32, ncclSum, nccl_->comm, nullptr);
   const ncclResult_t reduced = poll_nccl(nccl_->comm, synced, "ncclAllReduce(setup barrier)", deadline, timeout_seconds);
-  const cudaError_t done = cudaDeviceSynchronize();
-  cudaFree(one);
   check_nccl(reduced, "ncclAllReduce(setup barrier)");
+  // The all-reduce's kernel waits for every peer: bounded like the rest of the setup.
+  cudaError_t done = cudaErrorNotReady;
+  while ((done = cudaStreamQuery(nullptr)) == cudaErrorNotReady) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      ncclCommAbort(nccl_->comm);
+      nccl_->comm = nullptr;
+      MEGAMOE_FAIL(kCuda, "expert parallelism: the setup barrier did not complete within ", timeout_seconds,
+                   " s: a peer rank stopped during setup");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  cudaFree(one);
   gpu::check_cuda(done, "symmetric window setup");
   // Where NCCL has no symmetric memory between these GPUs (no peer access, no cuMem), window
   // registration succeeds with a handle that does not map the peers: check that every rank's

@@ -204,6 +204,9 @@ void MoeEpLayer::run(const MoeRunArgs& args, cudaStream_t stream) {
   MEGAMOE_CHECK(args.tokens == 0 || (args.hidden && args.topk_ids && args.topk_weights && args.output), kInvalidArgument,
                 "MoeEpLayer::run: hidden, topk_ids, topk_weights and output must be device pointers, not null");
   MEGAMOE_CHECK(args.output_f32 == nullptr, kInvalidArgument, "MoeEpLayer::run: the output is bf16 (output)");
+  // Host-mapped, so readable without a synchronisation: a layer whose barrier failed is unusable.
+  MEGAMOE_CHECK(*reinterpret_cast<volatile int32_t*>(m.error_host) == 0, kCuda,
+                "MoeEpLayer::run: an earlier run failed at a barrier (see check()); destroy and re-create the layer");
   MEGAMOE_CHECK(reinterpret_cast<uintptr_t>(args.hidden) % 16 == 0 && reinterpret_cast<uintptr_t>(args.output) % 16 == 0,
                 kInvalidArgument, "MoeEpLayer::run: hidden and output must be 16-byte aligned");
 
@@ -271,10 +274,12 @@ void MoeEpLayer::run(const MoeRunArgs& args, cudaStream_t stream) {
 void MoeEpLayer::check(cudaStream_t stream) const {
   check_cuda(cudaStreamSynchronize(stream), "MoeEpLayer::check");
   const int32_t e = *reinterpret_cast<volatile int32_t*>(impl_->error_host);
+  MEGAMOE_CHECK(e != 3, kCuda, "expert parallelism: rank ", impl_->cfg.rank,
+                ": a peer rank gave up waiting at a barrier (it timed out); the outputs since are undefined");
   MEGAMOE_CHECK(e == 0, kCuda, "expert parallelism: rank ", impl_->cfg.rank, " waited more than ",
                 impl_->cfg.timeout_seconds, " s at the ", e == 1 ? "dispatch" : "return",
-                " barrier: a peer rank never arrived (it failed, or does not call run() as often); this run's "
-                "outputs are undefined");
+                " barrier: a peer rank never arrived (it failed, or does not call run() as often); the outputs "
+                "since are undefined");
 }
 
 int64_t MoeEpLayer::invalid_id_count(cudaStream_t stream) const {

@@ -11,8 +11,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <chrono>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -114,10 +115,16 @@ void run_ep_launcher(const RunArgs& args) {
   MEGAMOE_CHECK(R >= 1 && R <= 8, kInvalidArgument, "megamoe run --ep ", R, ": the world size must be 1..8");
   MEGAMOE_CHECK(gpu::device_count() >= R, kUnsupported, "megamoe run --ep ", R, " needs ", R,
                 " CUDA devices; this host has ", gpu::device_count());
+  {
+    // The output must not be one of the inputs (the ranks read them while the launcher writes).
+    const LayerJob probe = load_layer_job(args.checkpoint, args.layer, args.input);
+    check_output_is_not_an_input(args.output, probe.input_files);
+  }
   const EpUniqueId id = EpUniqueId::create();
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() /
-                                    ("megamoe-ep-" + std::to_string(getpid()));
-  std::filesystem::create_directories(dir);
+  std::string dir_template = (std::filesystem::temp_directory_path() / "megamoe-ep-XXXXXX").string();
+  MEGAMOE_CHECK(mkdtemp(dir_template.data()) != nullptr, kIo, "megamoe run --ep: could not create a temporary "
+                "directory in ", std::filesystem::temp_directory_path().string());
+  const std::filesystem::path dir = dir_template;
   std::vector<std::string> env_strings;
   for (char** e = environ; *e != nullptr; ++e) {
     const std::string kv = *e;
@@ -146,7 +153,13 @@ void run_ep_launcher(const RunArgs& args) {
     argv.push_back(nullptr);
     pid_t pid = 0;
     const int rc = posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data());
-    MEGAMOE_CHECK(rc == 0, kIo, "megamoe run --ep: could not start rank ", r, " (posix_spawn: ", rc, ")");
+    if (rc != 0) {
+      // The ranks already started would wait for this one until their timeout: end them now.
+      for (pid_t started : pids) kill(started, SIGTERM);
+      for (pid_t started : pids) waitpid(started, nullptr, 0);
+      std::filesystem::remove_all(dir);
+      MEGAMOE_FAIL(kIo, "megamoe run --ep: could not start rank ", r, " (posix_spawn: ", std::strerror(rc), ")");
+    }
     pids.push_back(pid);
   }
   // Wait for every rank; the first failure ends the others (they would wait for it at a barrier
@@ -155,7 +168,8 @@ void run_ep_launcher(const RunArgs& args) {
   for (size_t left = pids.size(); left > 0;) {
     int status = 0;
     const pid_t pid = waitpid(-1, &status, 0);
-    if (pid < 0) break;
+    if (pid < 0 && errno == EINTR) continue;
+    MEGAMOE_CHECK(pid >= 0, kInternal, "megamoe run --ep: waitpid failed: ", std::strerror(errno));
     for (size_t r = 0; r < pids.size(); ++r) {
       if (pids[r] != pid) continue;
       pids[r] = 0;

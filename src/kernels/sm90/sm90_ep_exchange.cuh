@@ -110,13 +110,19 @@ __global__ void __launch_bounds__(256) ep_dispatch_kernel(EpExchangeParams p) {
   __threadfence_system();
 }
 
+// A flag value no epoch reaches: a rank that gave up tells its peers so.
+inline constexpr uint64_t kEpPoisonFlag = uint64_t{1} << 63;
+
 // Barrier `which` (0: after dispatch, 1: after return) over all ranks, one thread: publish this
 // rank's next epoch in every peer's flag slot, then wait for every peer's, up to timeout_ns.
 // Epochs live in device memory and advance once per run, so graph replays stay in step as long
-// as every rank replays the same graph. On timeout the error word is set and the run goes on
-// with undefined outputs: MoeEpLayer::check reports it.
+// as every rank replays the same graph. On timeout the rank sets its error word and poisons its
+// flag in every peer, so that the peers fail too instead of running on with data it may
+// overwrite; a rank whose error word is set (its own timeout, or a peer's poison) stops taking
+// part. The outputs of such runs are undefined: MoeEpLayer::check reports it.
 __global__ void ep_barrier_kernel(EpExchangeParams p, int which) {
   if (threadIdx.x != 0) return;
+  if (*reinterpret_cast<volatile int32_t*>(p.error) != 0) return;
   __threadfence_system();
   const uint64_t epoch = p.epochs[which] + 1;
   for (int d = 0; d < p.world; ++d) {
@@ -125,16 +131,29 @@ __global__ void ep_barrier_kernel(EpExchangeParams p, int which) {
   }
   const uint64_t* mine = reinterpret_cast<const uint64_t*>(p.peer[p.rank] + p.layout.flags) + which * kEpMaxRanks;
   const uint64_t start = ep_detail::global_timer_ns();
-  for (int s = 0; s < p.world; ++s) {
-    while (static_cast<int64_t>(ep_detail::load_acquire_sys(mine + s) - epoch) < 0) {
+  int32_t failure = 0;
+  for (int s = 0; s < p.world && failure == 0; ++s) {
+    for (;;) {
+      const uint64_t seen = ep_detail::load_acquire_sys(mine + s);
+      if (seen & kEpPoisonFlag) {
+        failure = 3;  // a peer gave up
+        break;
+      }
+      if (static_cast<int64_t>(seen - epoch) >= 0) break;
       if (ep_detail::global_timer_ns() - start > p.timeout_ns) {
-        atomicExch(p.error, 1 + which);
-        __threadfence_system();
-        s = p.world;  // give up on the rest: the outputs of this run are undefined
+        failure = 1 + which;
         break;
       }
       __nanosleep(256);
     }
+  }
+  if (failure != 0) {
+    for (int d = 0; d < p.world; ++d) {
+      uint64_t* flag = reinterpret_cast<uint64_t*>(p.peer[d] + p.layout.flags) + which * kEpMaxRanks + p.rank;
+      ep_detail::store_release_sys(flag, kEpPoisonFlag);
+    }
+    atomicExch(p.error, failure);
+    __threadfence_system();
   }
   p.epochs[which] = epoch;
 }
