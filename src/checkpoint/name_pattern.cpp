@@ -1,7 +1,7 @@
 #include "checkpoint/name_pattern.h"
 
-#include <cstdint>
 #include <cctype>
+#include <cstdint>
 #include <string>
 
 #include "megamoe/status.h"
