@@ -115,11 +115,10 @@ void run_ep_launcher(const RunArgs& args) {
   MEGAMOE_CHECK(R >= 1 && R <= 8, kInvalidArgument, "megamoe run --ep ", R, ": the world size must be 1..8");
   MEGAMOE_CHECK(gpu::device_count() >= R, kUnsupported, "megamoe run --ep ", R, " needs ", R,
                 " CUDA devices; this host has ", gpu::device_count());
-  {
-    // The output must not be one of the inputs (the ranks read them while the launcher writes).
-    const LayerJob probe = load_layer_job(args.checkpoint, args.layer, args.input);
-    check_output_is_not_an_input(args.output, probe.input_files);
-  }
+  // Loaded once, here: the output must not be one of its inputs (the ranks read them while the
+  // launcher writes), and it gives the token shares and the output file's routing afterwards.
+  const LayerJob job = load_layer_job(args.checkpoint, args.layer, args.input);
+  check_output_is_not_an_input(args.output, job.input_files);
   const EpUniqueId id = EpUniqueId::create();
   std::string dir_template = (std::filesystem::temp_directory_path() / "megamoe-ep-XXXXXX").string();
   MEGAMOE_CHECK(mkdtemp(dir_template.data()) != nullptr, kIo, "megamoe run --ep: could not create a temporary "
@@ -189,7 +188,6 @@ void run_ep_launcher(const RunArgs& args) {
                                           : "signal " + std::to_string(WTERMSIG(failed_status)),
                  "); its message is above");
   }
-  const LayerJob job = load_layer_job(args.checkpoint, args.layer, args.input);
   const int64_t T = job.topk.tokens, H = job.layer.hidden_size;
   std::vector<uint16_t> result(static_cast<size_t>(T * H));
   for (int r = 0; r < R; ++r) {

@@ -1,5 +1,6 @@
 // Global-memory reductions and acquire/release wrappers (sm_90): the vector float reduction of
-// the atomic combine and the counters a kernel's CTAs hand work to each other through.
+// the atomic combine, the counters a kernel's CTAs hand work to each other through, and the
+// system-scope flags of the expert-parallel barrier.
 #pragma once
 
 #include <cstdint>
@@ -32,6 +33,23 @@ __device__ __forceinline__ void wait_at_least(const int32_t* counter, int32_t ta
     __nanosleep(ns);
     ns = min(2 * ns, 512);
   }
+}
+
+// System-scope release store and acquire load: flags that ranks on other GPUs read and write over
+// NVLink (expert parallelism), ordering the stores before them for every GPU of the system.
+__device__ __forceinline__ void st_release_sys(uint64_t* ptr, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;\n" :: "l"(ptr), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* ptr) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];\n" : "=l"(v) : "l"(ptr) : "memory");
+  return v;
+}
+// Nanoseconds of the global timer (the same clock on every SM; for timeouts, not for timing).
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
 }
 
 }  // namespace megamoe::kernels::ptx

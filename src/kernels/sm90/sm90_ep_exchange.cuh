@@ -14,6 +14,8 @@
 #include <cuda_bf16.h>
 #include <cstdint>
 
+#include "kernels/common/ptx_atomics.cuh"
+
 namespace megamoe::kernels::sm90 {
 
 inline constexpr int kEpMaxRanks = 8;
@@ -51,20 +53,6 @@ namespace ep_detail {
 
 __device__ __forceinline__ int owner_of(int64_t id, const EpExchangeParams& p) {
   return id >= 0 && id < p.num_experts ? static_cast<int>(id / p.experts_per_rank) : -1;
-}
-
-__device__ __forceinline__ void store_release_sys(uint64_t* ptr, uint64_t v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;\n" :: "l"(ptr), "l"(v) : "memory");
-}
-__device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* ptr) {
-  uint64_t v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];\n" : "=l"(v) : "l"(ptr) : "memory");
-  return v;
-}
-__device__ __forceinline__ uint64_t global_timer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
-  return t;
 }
 
 }  // namespace ep_detail
@@ -127,20 +115,20 @@ __global__ void ep_barrier_kernel(EpExchangeParams p, int which) {
   const uint64_t epoch = p.epochs[which] + 1;
   for (int d = 0; d < p.world; ++d) {
     uint64_t* flag = reinterpret_cast<uint64_t*>(p.peer[d] + p.layout.flags) + which * kEpMaxRanks + p.rank;
-    ep_detail::store_release_sys(flag, epoch);
+    ptx::st_release_sys(flag, epoch);
   }
   const uint64_t* mine = reinterpret_cast<const uint64_t*>(p.peer[p.rank] + p.layout.flags) + which * kEpMaxRanks;
-  const uint64_t start = ep_detail::global_timer_ns();
+  const uint64_t start = ptx::global_timer_ns();
   int32_t failure = 0;
   for (int s = 0; s < p.world && failure == 0; ++s) {
     for (;;) {
-      const uint64_t seen = ep_detail::load_acquire_sys(mine + s);
+      const uint64_t seen = ptx::ld_acquire_sys(mine + s);
       if (seen & kEpPoisonFlag) {
         failure = 3;  // a peer gave up
         break;
       }
       if (static_cast<int64_t>(seen - epoch) >= 0) break;
-      if (ep_detail::global_timer_ns() - start > p.timeout_ns) {
+      if (ptx::global_timer_ns() - start > p.timeout_ns) {
         failure = 1 + which;
         break;
       }
@@ -150,7 +138,7 @@ __global__ void ep_barrier_kernel(EpExchangeParams p, int which) {
   if (failure != 0) {
     for (int d = 0; d < p.world; ++d) {
       uint64_t* flag = reinterpret_cast<uint64_t*>(p.peer[d] + p.layout.flags) + which * kEpMaxRanks + p.rank;
-      ep_detail::store_release_sys(flag, kEpPoisonFlag);
+      ptx::st_release_sys(flag, kEpPoisonFlag);
     }
     atomicExch(p.error, failure);
     __threadfence_system();
