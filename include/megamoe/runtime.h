@@ -1,6 +1,7 @@
-// The GPU MoE operator (Hopper, W4A16; W4A8 is not built yet, see MoeProblem::precision): build a plan once, upload the weights once, then run()
-// any number of times. run() never allocates, never synchronises the host and is CUDA-graph
-// capturable; every buffer it touches is sized by the plan for `max_tokens`.
+// The GPU MoE operator (Hopper, W4A16; no W4A8 kernel yet, see MoeProblem::precision): build a
+// plan once, upload the weights once, then run() any number of times. run() never allocates,
+// never synchronises the host and is CUDA-graph capturable; every buffer it touches is sized by
+// the plan for `max_tokens`.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -125,8 +126,8 @@ class MoePlan {
   size_t workspace_bytes() const;
   int num_sms() const { return num_sms_; }
   // The configuration run() will use for T tokens, as text (precision, tiles of both GEMMs, fused
-  // launch, early start; "w4a16 (auto)" where kAuto resolved to W4A16). Throws megamoe::Error(kInvalidArgument) when a MoeTuning override cannot run at
-  // this T.
+  // launch, early start; "w4a16 (auto)" where kAuto resolved to W4A16). Throws
+  // megamoe::Error(kInvalidArgument) when a MoeTuning override cannot run at this T.
   std::string describe(int64_t tokens) const;
   // The precision run() uses for T tokens: the problem's, or what kAuto resolves to at this T.
   Precision resolved_precision(int64_t tokens) const;
