@@ -27,6 +27,7 @@
 #include <string>
 
 #include "megamoe/moe.h"
+#include "megamoe/precision.h"
 #include "megamoe/runtime.h"
 
 namespace megamoe {
@@ -47,6 +48,9 @@ struct EpConfig {
   int device = 0;
   int64_t max_tokens_per_rank = 0;   // the largest T any rank passes to run()
   double timeout_seconds = 60.0;     // a barrier that waits longer fails the run (check())
+  // The GEMMs' arithmetic on every rank: MoeProblem::precision of the rank's plans, validated the
+  // same way (kW4a8 makes create() throw kUnsupported: this build has no W4A8 GPU kernel yet).
+  Precision precision = Precision::kW4a16;
 };
 
 // The routed experts rank `rank` owns: [first, first + count). Throws megamoe::Error
@@ -69,8 +73,8 @@ class MoeEpLayer {
  public:
   // `local_layer`: this rank's experts and the shared expert (ep_local_layer); `num_experts`: the
   // global E. Throws megamoe::Error naming what is wrong: a rank or size out of range, E not a
-  // multiple of R, E/R below top_k, an unsupported shape (MoePlan's rules), NCCL without symmetric
-  // memory between these GPUs (kUnsupported), or a CUDA/NCCL failure (kCuda).
+  // multiple of R, E/R below top_k, an unsupported shape or precision (MoePlan's rules), NCCL
+  // without symmetric memory between these GPUs (kUnsupported), or a CUDA/NCCL failure (kCuda).
   static MoeEpLayer create(const MoeLayer& local_layer, int64_t num_experts, const EpConfig& config,
                            const EpUniqueId& id, bool deterministic = false);
   MoeEpLayer(MoeEpLayer&&) noexcept;

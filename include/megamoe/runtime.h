@@ -1,6 +1,7 @@
-// The GPU MoE operator (Hopper, W4A16): build a plan once, upload the weights once, then run()
-// any number of times. run() never allocates, never synchronises the host and is CUDA-graph
-// capturable; every buffer it touches is sized by the plan for `max_tokens`.
+// The GPU MoE operator (Hopper, W4A16; no W4A8 kernel yet, see MoeProblem::precision): build a
+// plan once, upload the weights once, then run() any number of times. run() never allocates,
+// never synchronises the host and is CUDA-graph capturable; every buffer it touches is sized by
+// the plan for `max_tokens`.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,6 +11,7 @@
 #include <string>
 
 #include "megamoe/moe.h"
+#include "megamoe/precision.h"
 
 namespace megamoe {
 
@@ -23,6 +25,11 @@ struct MoeProblem {
   int64_t max_tokens = 0;                // largest T any run() may pass
   std::optional<float> swiglu_limit;     // clamp gate <= L, |up| <= L before SwiGLU
   bool deterministic = false;            // fixed-order combine: bitwise identical runs
+  // The GEMMs' arithmetic. kW4a16 is the exact path. kW4a8 has no GPU kernel in this build yet:
+  // MoePlan::create rejects it (kUnsupported; its exact CPU emulation is
+  // reference::moe_forward_w4a8). kAuto is resolved per T by the heuristic, which picks kW4a16
+  // at every T until the W4A8 kernel exists; MoePlan::describe and resolved_precision show it.
+  Precision precision = Precision::kW4a16;
 
   static MoeProblem from_layer(const MoeLayer& layer, int64_t max_tokens);
 };
@@ -111,16 +118,19 @@ struct MoeRunArgs {
 class MoePlan {
  public:
   // Validates the problem against what the sm90 kernels support and the current device.
-  // Throws megamoe::Error(kUnsupported / kInvalidArgument) saying what is allowed.
+  // Throws megamoe::Error(kUnsupported / kInvalidArgument) saying what is allowed; kUnsupported
+  // for precision kW4a8, which has no GPU kernel in this build yet.
   static MoePlan create(const MoeProblem& problem, const MoeTuning& tuning = {});
   const MoeProblem& problem() const { return problem_; }
   const MoeTuning& tuning() const { return tuning_; }
   size_t workspace_bytes() const;
   int num_sms() const { return num_sms_; }
-  // The configuration run() will use for T tokens, as text (tiles of both GEMMs, fused launch,
-  // early start). Throws megamoe::Error(kInvalidArgument) when a MoeTuning override cannot run at
-  // this T.
+  // The configuration run() will use for T tokens, as text (precision, tiles of both GEMMs, fused
+  // launch, early start; "w4a16 (auto)" where kAuto resolved to W4A16). Throws
+  // megamoe::Error(kInvalidArgument) when a MoeTuning override cannot run at this T.
   std::string describe(int64_t tokens) const;
+  // The precision run() uses for T tokens: the problem's, or what kAuto resolves to at this T.
+  Precision resolved_precision(int64_t tokens) const;
   // Number of top-k ids outside [0, E) seen by the last run() that used `workspace`
   // (synchronises `stream`; call outside graph capture).
   int64_t invalid_id_count(const void* workspace, cudaStream_t stream) const;

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "megamoe/gpu.h"
+#include "megamoe/precision.h"
 #include "megamoe/runtime.h"
 #include "runtime/cuda_check.h"
 #include "torch_utils.h"
@@ -251,7 +252,8 @@ int64_t moe_prepare(const at::Tensor& w13, const at::Tensor& w13_scale,
                     const std::optional<at::Tensor>& shared_w13_scale_2,
                     const std::optional<at::Tensor>& shared_w2,
                     const std::optional<at::Tensor>& shared_w2_scale,
-                    const std::optional<at::Tensor>& shared_w2_scale_2) {
+                    const std::optional<at::Tensor>& shared_w2_scale_2,
+                    const std::string& precision) {
   return translate_errors(kPrepare, [&] {
     const Stacked s{w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, shared_w13,
                     shared_w13_scale, shared_w13_scale_2, shared_w2, shared_w2_scale,
@@ -268,6 +270,9 @@ int64_t moe_prepare(const at::Tensor& w13, const at::Tensor& w13_scale,
     problem.max_tokens = max_tokens;
     if (swiglu_limit) problem.swiglu_limit = static_cast<float>(*swiglu_limit);
     problem.deterministic = deterministic;
+    // A bad name is kInvalidArgument (ValueError); w4a8 fails in MoePlan::create (kUnsupported:
+    // NotImplementedError) until a W4A8 kernel exists.
+    problem.precision = parse_precision(precision);
 
     const c10::cuda::CUDAGuard guard(L.device);
     MoePlan plan = MoePlan::create(problem);
@@ -299,7 +304,8 @@ std::string moe_describe(int64_t handle, int64_t tokens) {
     os << "megamoe layer " << handle << " on " << p->device << ": H=" << pr.hidden_size
        << " I=" << pr.intermediate_size << " E=" << pr.num_experts << " top_k=" << pr.top_k
        << " shared_I=" << pr.shared_intermediate_size << " max_tokens=" << pr.max_tokens
-       << " swiglu_limit=" << limit_string(pr.swiglu_limit) << "; prepacked weights "
+       << " swiglu_limit=" << limit_string(pr.swiglu_limit)
+       << " precision=" << precision_name(pr.precision) << "; prepacked weights "
        << p->weights.device_bytes() << " B, workspace " << p->workspace.numel() << " B; "
        << p->plan.describe(tokens);
     return os.str();

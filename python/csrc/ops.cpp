@@ -23,14 +23,16 @@ TORCH_LIBRARY(megamoe, m) {
 
   // Builds the prepared layer of fused_moe_nvfp4 once (plan for max_tokens, prepacked weights,
   // workspace): copies the stacked tensors to the host, checks every scale, prepacks, uploads and
-  // synchronises. Not for a forward pass. Returns the handle.
+  // synchronises. Not for a forward pass. Returns the handle. `precision` is the plan's
+  // (megamoe/precision.h): "w4a16" (exact, the default), "w4a8" (NotImplementedError: no W4A8 GPU
+  // kernel in this build yet) or "auto" (w4a16 until that kernel exists); anything else ValueError.
   m.def(
       "moe_prepare(Tensor w13, Tensor w13_scale, Tensor w13_scale_2, Tensor w2, "
       "Tensor w2_scale, Tensor w2_scale_2, *, int top_k, int max_tokens, "
       "float? swiglu_limit=None, bool deterministic=False, "
       "Tensor? shared_w13=None, Tensor? shared_w13_scale=None, Tensor? shared_w13_scale_2=None, "
-      "Tensor? shared_w2=None, Tensor? shared_w2_scale=None, Tensor? shared_w2_scale_2=None) "
-      "-> int");
+      "Tensor? shared_w2=None, Tensor? shared_w2_scale=None, Tensor? shared_w2_scale_2=None, "
+      "str precision=\"w4a16\") -> int");
   // Frees a prepared layer after the device has finished the work queued with it.
   m.def("moe_release(int handle) -> ()");
   // The prepared layer, its memory and the kernel configuration chosen for `tokens`, as text.

@@ -6,11 +6,11 @@ python/csrc/ops.cpp): ``fused_moe_nvfp4`` (with a layer prepared by ``moe_prepar
 them as a drop-in MoE block.
 """
 
-from ._ops import (MoeHandle, dequantize_nvfp4, fused_moe_nvfp4, load_moe_layer, ops,
+from ._ops import (PRECISIONS, MoeHandle, dequantize_nvfp4, fused_moe_nvfp4, load_moe_layer, ops,
                    prepare_moe, quantize_experts, quantize_nvfp4, route)
 from .module import NVFP4MoE
 
 __all__ = [
-    "MoeHandle", "NVFP4MoE", "dequantize_nvfp4", "fused_moe_nvfp4", "load_moe_layer", "ops",
+    "PRECISIONS", "MoeHandle", "NVFP4MoE", "dequantize_nvfp4", "fused_moe_nvfp4", "load_moe_layer", "ops",
     "prepare_moe", "quantize_experts", "quantize_nvfp4", "route",
 ]

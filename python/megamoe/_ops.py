@@ -25,6 +25,20 @@ torch.ops.load_library(_library_path())
 
 ops = torch.ops.megamoe
 
+# The precision names every API takes (megamoe/precision.h): "w4a16" is the exact path and the
+# default; "w4a8" has no GPU kernel in this build yet; "auto" resolves to w4a16 until it has.
+PRECISIONS = ("w4a16", "w4a8", "auto")
+
+
+def check_precision(precision, where: str) -> str:
+    """``precision`` if it is one of :data:`PRECISIONS`, else ValueError naming the allowed ones."""
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"{where}: precision {precision!r} is not supported; allowed: "
+                         f"{', '.join(repr(p) for p in PRECISIONS)} (w4a16, the exact path, is the "
+                         "default)")
+    return precision
+
+
 # Names of the shared-expert arguments of moe_prepare and fused_moe_nvfp4, in order.
 SHARED_EXPERT_ARGS = ("shared_w13", "shared_w13_scale", "shared_w13_scale_2", "shared_w2",
                       "shared_w2_scale", "shared_w2_scale_2")
@@ -129,18 +143,22 @@ def _shared_kwargs(shared_expert: Optional[Sequence[torch.Tensor]]) -> dict:
 
 def prepare_moe(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, *, top_k: int,
                 max_tokens: int, swiglu_limit: Optional[float] = None, deterministic: bool = False,
-                shared_expert: Optional[Sequence[torch.Tensor]] = None) -> MoeHandle:
+                shared_expert: Optional[Sequence[torch.Tensor]] = None,
+                precision: str = "w4a16") -> MoeHandle:
     """Prepares the stacked NVFP4 weights (CUDA tensors) for :func:`fused_moe_nvfp4`.
 
     A one-time load step: copies the weights to the host, checks every scale, prepacks them for
     the kernels, uploads the copy and sizes the workspace for ``max_tokens`` tokens. The device
     holds the prepacked copy beside the stacked tensors. ``shared_expert`` is
     ``(shared_w13, shared_w13_scale, shared_w13_scale_2, shared_w2, shared_w2_scale,
-    shared_w2_scale_2)`` or None.
+    shared_w2_scale_2)`` or None. ``precision`` is one of :data:`PRECISIONS`: "w4a16" (exact),
+    "w4a8" (raises NotImplementedError: no W4A8 GPU kernel in this build yet) or "auto" (w4a16
+    until that kernel exists).
     """
     return MoeHandle(ops.moe_prepare(
         w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, top_k=int(top_k),
         max_tokens=int(max_tokens), swiglu_limit=swiglu_limit, deterministic=deterministic,
+        precision=check_precision(precision, "megamoe.prepare_moe"),
         **_shared_kwargs(shared_expert)))
 
 

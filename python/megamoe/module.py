@@ -34,6 +34,11 @@ class NVFP4MoE(torch.nn.Module):
     module, or loading a state dict, releases the prepared copy (re-made on the next forward).
     Dtype casts (``.to(torch.bfloat16)``, ``.half()``) leave the NVFP4 buffers as they are.
     Batches larger than ``max_tokens`` run in chunks of ``max_tokens``.
+
+    ``precision`` is the GEMMs' arithmetic, fixed when the layer is prepared: "w4a16" (exact, the
+    default), "w4a8" (fp8 activations, docs/w4a8.md; this build has no W4A8 GPU kernel yet, so
+    preparing raises NotImplementedError) or "auto" (w4a8 where it is faster: w4a16 until that
+    kernel exists; :meth:`describe` shows the precision a batch size runs at).
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
@@ -41,8 +46,9 @@ class NVFP4MoE(torch.nn.Module):
                  renormalize: bool = True, n_group: int = 1, topk_group: int = 1,
                  routed_scaling_factor: float = 1.0, swiglu_limit: Optional[float] = None,
                  has_router: bool = True, max_tokens: int = 4096, deterministic: bool = False,
-                 check_ids: bool = True, device=None):
+                 check_ids: bool = True, precision: str = "w4a16", device=None):
         super().__init__()
+        _ops.check_precision(precision, "NVFP4MoE")
         if method not in _METHODS:
             raise ValueError(f"NVFP4MoE: method {method!r} is not supported; allowed: {_METHODS}")
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size)):
@@ -70,6 +76,7 @@ class NVFP4MoE(torch.nn.Module):
         self.swiglu_limit = None if swiglu_limit is None else float(swiglu_limit)
         self.max_tokens = int(max_tokens)
         self.deterministic = bool(deterministic)
+        self.precision = precision
         self.check_ids = bool(check_ids)
         self.has_router = bool(has_router)
 
@@ -109,7 +116,8 @@ class NVFP4MoE(torch.nn.Module):
 
     @classmethod
     def from_checkpoint(cls, path, layer: int, *, device="cuda", max_tokens: int = 4096,
-                        deterministic: bool = False, check_ids: bool = True) -> "NVFP4MoE":
+                        deterministic: bool = False, check_ids: bool = True,
+                        precision: str = "w4a16") -> "NVFP4MoE":
         """Loads model.layers.{layer}.mlp of a ModelOpt or compressed-tensors NVFP4 checkpoint.
 
         ``path`` is the model directory (config.json, safetensors files). The codes and block
@@ -125,7 +133,7 @@ class NVFP4MoE(torch.nn.Module):
                      routed_scaling_factor=r["routed_scaling_factor"],
                      swiglu_limit=desc["swiglu_limit"], has_router="router_weight" in tensors,
                      max_tokens=max_tokens, deterministic=deterministic, check_ids=check_ids,
-                     device="meta")
+                     precision=precision, device="meta")
         module._assign(tensors)
         module.checkpoint_description = desc
         return module._placed(device)
@@ -205,7 +213,7 @@ class NVFP4MoE(torch.nn.Module):
         self._handle = _ops.prepare_moe(
             *self._expert_tensors(), top_k=self.top_k, max_tokens=self.max_tokens,
             swiglu_limit=self.swiglu_limit, deterministic=self.deterministic,
-            shared_expert=self._shared_tensors())
+            shared_expert=self._shared_tensors(), precision=self.precision)
         self._handle_id = int(self._handle)
         return self
 
@@ -311,5 +319,7 @@ class NVFP4MoE(torch.nn.Module):
             parts.append(f"routed_scaling_factor={self.routed_scaling_factor}")
         if self.swiglu_limit is not None:
             parts.append(f"swiglu_limit={self.swiglu_limit}")
+        if self.precision != "w4a16":
+            parts.append(f"precision={self.precision}")
         parts.append(f"max_tokens={self.max_tokens}, prepared={self._handle is not None}")
         return ", ".join(parts)

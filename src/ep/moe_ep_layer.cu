@@ -137,6 +137,7 @@ MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, 
   rp.max_tokens = R * max_t;
   rp.swiglu_limit = local_layer.swiglu_limit;
   rp.deterministic = deterministic;
+  rp.precision = config.precision;
   m.routed_plan = MoePlan::create(rp);
   m.routed_weights = MoeDeviceWeights::upload(routed);
   m.top_k = k;
@@ -152,6 +153,7 @@ MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, 
     shared.swiglu_limit = local_layer.swiglu_limit;
     MoeProblem sp = MoeProblem::from_layer(shared, max_t);
     sp.deterministic = deterministic;
+    sp.precision = config.precision;
     m.shared_plan = MoePlan::create(sp);
     m.shared_weights = MoeDeviceWeights::upload(shared);
     m.shared_ws = m.mem.alloc<uint8_t>(m.shared_plan->workspace_bytes());

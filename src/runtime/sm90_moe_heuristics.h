@@ -13,15 +13,24 @@
 namespace megamoe {
 
 struct MoeConfig {
+  Precision precision = Precision::kW4a16;  // resolved: never kAuto (resolve_precision)
   GemmConfig l1;             // x · W13ᵀ + SwiGLU
   GemmConfig l2;             // a · W2ᵀ + combine
   bool fused = false;        // L1 and L2 in one persistent launch (needs can_fuse)
   bool early_start = false;  // L1's first items start before the dispatch completes (tiny T)
-  std::string to_string() const;
+  std::string to_string() const;  // tiles and launch; MoePlan::describe adds the precision
   // Whether both GEMMs run the same tile (K slices aside) and that tile has a fused kernel
   // (kFusedTile or kFusedTile32), so that they may run fused.
   bool can_fuse() const;
 };
+
+// The precision a run of `tokens` tokens uses: the one place the choice is made. MoePlan::create
+// calls it to validate the problem, choose_moe_config to fill MoeConfig::precision (which run()
+// and MoePlan::describe read). kW4a16 as asked. kW4a8 throws megamoe::Error(kUnsupported) at
+// every T: this build has no W4A8 kernel. kAuto resolves to kW4a16 at every T until that kernel
+// and its measured per-T rule (issue 38) plug in here; it never throws for a valid problem.
+// A value outside the enum throws kInvalidArgument.
+Precision resolve_precision(const MoeProblem& problem, int64_t tokens);
 
 // Early start (a tiny batch's L1 CTAs compute their first work item from the top-k ids and run it
 // while the dispatch kernel still runs) holds up to this many routed selections (T * k: one per

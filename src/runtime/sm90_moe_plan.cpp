@@ -52,6 +52,8 @@ void validate_problem(const MoeProblem& p) {
                 kInvalidArgument, "MoePlan: max_tokens * (top_k + shared slices) overflows int32");
   MEGAMOE_CHECK(!p.swiglu_limit || (std::isfinite(*p.swiglu_limit) && *p.swiglu_limit > 0),
                 kInvalidArgument, "MoePlan: swiglu_limit must be finite and positive");
+  // A precision this build cannot run fails here, at plan time, whatever T (kAuto never does).
+  (void)resolve_precision(p, p.max_tokens);
 }
 
 WorkspaceLayout workspace_layout(const MoeProblem& p) {
@@ -131,11 +133,15 @@ MoeConfig moe_config(const MoePlan& plan, int64_t tokens) {
 size_t MoePlan::workspace_bytes() const { return runtime::workspace_layout(problem_).total; }
 
 std::string MoePlan::describe(int64_t tokens) const {
+  const MoeConfig cfg = moe_config(*this, tokens);
   std::ostringstream os;
-  os << "T=" << tokens << " " << moe_config(*this, tokens).to_string()
+  os << "T=" << tokens << " " << precision_name(cfg.precision)
+     << (problem_.precision == Precision::kAuto ? " (auto)" : "") << " " << cfg.to_string()
      << (problem_.deterministic ? " deterministic" : " atomic-combine");
   return os.str();
 }
+
+Precision MoePlan::resolved_precision(int64_t tokens) const { return resolve_precision(problem_, tokens); }
 
 int64_t MoePlan::invalid_id_count(const void* workspace, cudaStream_t stream) const {
   int32_t count = 0;

@@ -238,6 +238,9 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   if (args.tokens == 0) return;
 
   const MoeConfig cfg = moe_config(plan, args.tokens);
+  // Every launch below is W4A16's; resolve_precision gives nothing else until a W4A8 kernel exists.
+  MEGAMOE_CHECK(cfg.precision == Precision::kW4a16, kInternal, "run: precision ", precision_name(cfg.precision),
+                " has no launcher in this build");
   const runtime::WorkspaceLayout layout = runtime::workspace_layout(p);
   const RunContext r{p,
                      cfg,

@@ -6,9 +6,11 @@
 #include <optional>
 #include <string>
 
+#include "error_matchers.h"
 #include "megamoe/presets.h"
 #include "megamoe/runtime.h"
 #include "runtime/sm90_moe_heuristics.h"
+#include "runtime/sm90_moe_workspace.h"
 #include "runtime/sm90_w4a16_tiles.h"
 
 namespace megamoe {
@@ -251,6 +253,37 @@ TEST(TileTable, EveryHeuristicChoiceIsAnEntry) {
     }
   }
   EXPECT_GT(checked, 0);
+}
+
+// The precision is resolved in one place (resolve_precision). This build has no W4A8 kernel: an
+// explicit w4a8 is refused at plan validation (whatever T) with a message naming the exact path and
+// the CPU emulation, and auto resolves to w4a16 at every T, with the w4a16 tiles.
+TEST(Heuristics, PrecisionResolvesToW4a16UntilAW4a8KernelExists) {
+  for (const char* name : {"deepseek-v3", "qwen3-30b-a3b"}) {
+    SCOPED_TRACE(name);
+    MoeProblem exact = preset_problem(name);
+    MoeProblem automatic = exact;
+    automatic.precision = Precision::kAuto;
+    MoeProblem w4a8 = exact;
+    w4a8.precision = Precision::kW4a8;
+    EXPECT_NO_THROW(runtime::validate_problem(exact));
+    EXPECT_NO_THROW(runtime::validate_problem(automatic));
+    EXPECT_MEGAMOE_ERROR(runtime::validate_problem(w4a8), kUnsupported, "precision w4a8",
+                         "no W4A8 GPU kernel", "w4a16", "exact path", "megamoe reference --precision w4a8");
+    for (const int64_t T : {0, 1, 17, 128, 1000, 4096, 16384}) {
+      SCOPED_TRACE(T);
+      EXPECT_EQ(resolve_precision(exact, T), Precision::kW4a16);
+      EXPECT_EQ(resolve_precision(automatic, T), Precision::kW4a16);
+      EXPECT_MEGAMOE_ERROR(resolve_precision(w4a8, T), kUnsupported, "w4a8");
+      const MoeConfig a = choose_moe_config(automatic, T), e = choose_moe_config(exact, T);
+      EXPECT_EQ(a.precision, Precision::kW4a16);
+      EXPECT_EQ(e.precision, Precision::kW4a16);
+      EXPECT_EQ(a.to_string(), e.to_string());
+    }
+  }
+  MoeProblem cast = deepseek_v3();
+  cast.precision = static_cast<Precision>(7);
+  EXPECT_MEGAMOE_ERROR(runtime::validate_problem(cast), kInvalidArgument, "precision", "7", "kW4a16");
 }
 
 // The table's entries are distinct tiles with a consistent geometry: the kernels' static_asserts

@@ -11,6 +11,7 @@
 #include "megamoe/status.h"
 #include "moe_test_util.h"
 #include "runtime/sm90_moe_heuristics.h"
+#include "tests/cpu/error_matchers.h"
 
 namespace megamoe {
 namespace {
@@ -477,6 +478,36 @@ TEST(GpuMoe, RejectsBadProblems) {
   p.top_k = 2;
   p.shared_intermediate_size = 96;  // not a multiple of I
   EXPECT_THROW(MoePlan::create(p), Error);
+}
+
+// Precision: w4a8 has no GPU kernel in this build, so the plan refuses it with a message that
+// names the exact path and the CPU emulation; auto resolves to w4a16 at every T (visible in
+// describe) and gives the w4a16 plan's output bit for bit.
+TEST(GpuMoe, PrecisionW4a8IsRefusedAndAutoRunsW4a16) {
+  MEGAMOE_REQUIRE_GPU();
+  std::mt19937 rng(fresh_seed());
+  const MoeLayer layer = testing::random_layer(rng, 256, 128, 8, 2);
+  MoeProblem p = MoeProblem::from_layer(layer, 64);
+  p.precision = Precision::kW4a8;
+  EXPECT_MEGAMOE_ERROR(MoePlan::create(p), kUnsupported, "w4a8", "no W4A8 GPU kernel", "w4a16",
+                       "megamoe reference --precision w4a8");
+  GpuMoe gpu(layer, 64, /*deterministic=*/true);
+  const MoePlan exact = gpu.plan;
+  EXPECT_EQ(exact.resolved_precision(64), Precision::kW4a16);
+  EXPECT_NE(exact.describe(64).find("T=64 w4a16 L1{"), std::string::npos) << exact.describe(64);
+  p.precision = Precision::kAuto;
+  p.deterministic = true;
+  const MoePlan automatic = MoePlan::create(p);
+  for (const int64_t T : {1, 17, 64}) {
+    EXPECT_EQ(automatic.resolved_precision(T), Precision::kW4a16) << T;
+    EXPECT_NE(automatic.describe(T).find("w4a16 (auto)"), std::string::npos) << automatic.describe(T);
+    const std::vector<uint16_t> hidden = testing::random_hidden(rng, T, 256);
+    const reference::TopK topk = testing::random_topk(rng, T, 8, 2);
+    gpu.plan = exact;
+    const std::vector<uint16_t> want = gpu.run(hidden, topk);
+    gpu.plan = automatic;  // the same weights and workspace: only the plan's precision differs
+    EXPECT_EQ(gpu.run(hidden, topk), want) << "auto differs from w4a16 at T=" << T;
+  }
 }
 
 TEST(GpuMoe, RejectsTooManyTokens) {

@@ -335,3 +335,27 @@ def test_module_rejects_bad_calls():
     expect_error(ValueError, "the last dimension must be hidden_size = 128", module,
                  hidden_of(4, 64), w, ids)
     expect_error(ValueError, "has no router weight", module, x)
+
+
+def test_precision_option():
+    # Names are checked in Python (the module, prepare_moe) and in the op itself.
+    expect_error(ValueError, "precision 'bogus' is not supported; allowed: 'w4a16', 'w4a8', 'auto'",
+                 megamoe.NVFP4MoE, 128, 64, 8, 2, precision="bogus")
+    t = {k: v.cuda() for k, v in random_stacked(8, 128, 64).items()}
+    args = [t[k] for k in ("w13", "w13_scale", "w13_scale_2", "w2", "w2_scale", "w2_scale_2")]
+    expect_error(ValueError, "precision 'W4A8' is not one of the allowed values: w4a16",
+                 megamoe.ops.moe_prepare, *args, top_k=2, max_tokens=8, precision="W4A8")
+    # w4a8 has no GPU kernel in this build: preparing says so, and where to find its emulation.
+    expect_error(NotImplementedError, "no W4A8 GPU kernel", megamoe.NVFP4MoE.from_tensors, t, 2,
+                 precision="w4a8")
+    expect_error(NotImplementedError, "megamoe reference --precision w4a8", megamoe.prepare_moe,
+                 *args, top_k=2, max_tokens=8, precision="w4a8")
+    # auto resolves to w4a16 (describe says so) and gives its output bit for bit.
+    exact = megamoe.NVFP4MoE.from_tensors(t, 2, deterministic=True)
+    auto = megamoe.NVFP4MoE.from_tensors(t, 2, deterministic=True, precision="auto")
+    assert "precision=auto" in auto.describe(16) and "w4a16 (auto)" in auto.describe(16), auto.describe(16)
+    assert "precision=w4a16" in exact.describe(16), exact.describe(16)
+    assert "precision=auto" in repr(auto)
+    x = hidden_of(16, 128)
+    w, ids = random_routing(16, 8, 2)
+    assert torch.equal(auto(x, w, ids), exact(x, w, ids))

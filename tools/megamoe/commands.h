@@ -12,6 +12,7 @@
 
 #include "megamoe/checkpoint.h"
 #include "megamoe/dtype.h"
+#include "megamoe/precision.h"
 #include "megamoe/reference.h"
 #include <vector>
 
@@ -51,6 +52,11 @@ struct LayerJob {
 LayerJob load_layer_job(const std::string& checkpoint, int64_t layer_index, const std::string& input);
 // Writes `output` [T, H] BF16 with the routing used (`topk_ids` I32, `topk_weights` F32).
 void write_layer_output(const std::string& path, const LayerJob& job, const std::vector<uint16_t>& out);
+
+// `--precision w4a16|w4a8|auto` on `app` (parse_precision's names), stored in `precision`, which
+// keeps its value (the default) when the option is absent. A bad value is a command-line error
+// (exit 2) that lists the allowed values. `what` says what each value does for this command.
+CLI::Option* add_precision_option(CLI::App& app, Precision& precision, const std::string& what);
 
 // Progress of a long job on stderr by bytes processed: at most one line a second, so a
 // checkpoint of 100k tensors does not flood the terminal.

@@ -132,6 +132,26 @@ std::vector<std::string> checkpoint_input_files(const Checkpoint& ckpt) {
   return files;
 }
 
+CLI::Option* add_precision_option(CLI::App& app, Precision& precision, const std::string& what) {
+  // Checked while parsing, so a bad value fails as a command-line error before any work starts,
+  // with parse_precision's message (the same words as every other API's).
+  const CLI::Validator known(
+      [](std::string& value) -> std::string {
+        try {
+          parse_precision(value);
+          return {};
+        } catch (const Error& e) {
+          return e.what();
+        }
+      },
+      "w4a16|w4a8|auto");
+  return app
+      .add_option_function<std::string>(
+          "--precision", [&precision](const std::string& value) { precision = parse_precision(value); }, what)
+      ->check(known)
+      ->default_str(precision_name(precision));
+}
+
 namespace {
 std::optional<std::string> strip_suffix(const std::string& name, std::string_view suffix) {
   if (name.size() <= suffix.size() || !name.ends_with(suffix)) return std::nullopt;

@@ -1,6 +1,7 @@
 // `megamoe run --checkpoint DIR --layer L --input X.safetensors --output Y.safetensors
-// [--deterministic] [--ep N]`: one MoE layer on the GPU (sm90 W4A16), with the arguments of
-// `reference`. Routing, when the input gives no top-k, runs on the CPU (reference::route).
+// [--deterministic] [--precision P] [--ep N]`: one MoE layer on the GPU (sm90 W4A16), with the
+// arguments of `reference`. Routing, when the input gives no top-k, runs on the CPU
+// (reference::route). --precision goes to the plan (w4a8 fails there: no W4A8 kernel yet).
 // --ep N: expert parallelism over N GPUs of this host. The command starts one process per GPU
 // itself (this executable again, with --ep-rank), gives each a contiguous share of the tokens
 // (the last ones may get none) and gathers their outputs.
@@ -42,6 +43,7 @@ struct RunArgs {
   std::string input;
   std::string output;
   bool deterministic = false;
+  Precision precision = Precision::kW4a16;  // MoeProblem::precision, EpConfig::precision
   int ep = 0;                // world size; 0: one GPU, no expert parallelism
   int ep_rank = -1;          // set by the launcher in the processes it starts
   std::string ep_id;         // the NCCL unique id, hex (launcher -> ranks)
@@ -76,6 +78,7 @@ void run_ep_rank(const RunArgs& args) {
   cfg.device = r;
   cfg.max_tokens_per_rank = std::max<int64_t>(1, (T + R - 1) / R);
   cfg.timeout_seconds = args.ep_timeout;
+  cfg.precision = args.precision;
   const EpExpertRange range = ep_expert_range(job.layer.num_experts, R, r);
   MoeEpLayer layer = MoeEpLayer::create(ep_local_layer(job.layer, range), job.layer.num_experts, cfg,
                                         EpUniqueId::from_hex(args.ep_id), args.deterministic);
@@ -147,6 +150,7 @@ void run_ep_launcher(const RunArgs& args) {
                                        std::to_string(R), "--ep-rank", std::to_string(r), "--ep-id", id.to_hex(),
                                        "--ep-timeout", std::to_string(args.ep_timeout)};
     if (args.deterministic) argv_s.push_back("--deterministic");
+    argv_s.insert(argv_s.end(), {"--precision", precision_name(args.precision)});
     std::vector<char*> argv;
     for (auto& a : argv_s) argv.push_back(a.data());
     argv.push_back(nullptr);
@@ -225,6 +229,7 @@ void run_gpu(const RunArgs& args) {
   MoeProblem problem = MoeProblem::from_layer(job.layer, T);
   problem.top_k = job.topk.k;
   problem.deterministic = args.deterministic;
+  problem.precision = args.precision;
   const MoePlan plan = MoePlan::create(problem);
   const MoeDeviceWeights weights = MoeDeviceWeights::upload(job.layer);
   const tools::DeviceBuffer<uint8_t> workspace(plan.workspace_bytes());
@@ -267,6 +272,11 @@ Command add_run_command(CLI::App& parent) {
   app->add_option("--input", args->input, "input .safetensors file")->required();
   app->add_option("--output", args->output, "output .safetensors file")->required();
   app->add_flag("--deterministic", args->deterministic, "fixed-order combine (bitwise reproducible)");
+  add_precision_option(*app, args->precision,
+                       "w4a16: the exact W4A16 path (the default); w4a8: not available, this build has "
+                       "no W4A8 GPU kernel yet (its CPU emulation: `megamoe reference --precision "
+                       "w4a8`); auto: w4a8 where the heuristic finds it faster, which is nowhere until "
+                       "that kernel exists, so w4a16");
   app->add_option("--ep", args->ep,
                   "expert parallelism over N GPUs of this host (one process per GPU, started by this command)")
       ->check(CLI::Range(1, 8));
