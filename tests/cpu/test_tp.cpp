@@ -315,11 +315,8 @@ TEST(TpReference, CombineSumsInDoubleAndRoundsOnce) {
 
 constexpr int64_t kLayer = 1;
 
-// A DeepSeek-V3-style checkpoint directory (config.json + model.safetensors, ModelOpt names) of
-// one MoE layer, from the bytes of `layer`, with every scale byte for which `poison` says so set
-// to NaN (0x7F) and the code bytes of the same (row, block) scrambled.
+// Which blocks of a checkpoint to spoil: (tensor prefix, row, block) -> poison?
 struct Poison {
-  // (tensor prefix, row, block) -> poison?
   std::function<bool(const std::string&, int64_t, int64_t)> at;
 };
 
@@ -339,6 +336,9 @@ class TpLoad : public ::testing::Test {
     fs::remove_all(dir_, ec);
   }
 
+  // dir_/name: a DeepSeek-V3-style checkpoint (config.json + model.safetensors, ModelOpt names)
+  // of one MoE layer holding the bytes of `layer`, except that every block `poison` names gets a
+  // NaN scale byte (0x7F) and scrambled code bytes. Returns the directory.
   std::string write(const std::string& name, const MoeLayer& layer, const Poison* poison) {
     const fs::path d = dir_ / name;
     fs::create_directories(d);
@@ -514,7 +514,8 @@ TEST_F(TpLoad, RankReadsOnlyItsSlice) {
   // Rank 1's slice holds the poison: the first bad byte, named where it is in the whole tensor.
   EXPECT_MEGAMOE_ERROR(load_moe_layer_tp(ckpt, config, kLayer, TpConfig{R, 1}), kInvalidCheckpoint,
                        "experts.0.gate_proj.weight_scale", "at row 64, block 0");
-  // Only down poisoned, in rank 2's columns: rank 2 fails on down, at row 0, block I/(16R)·2.
+  // One block of one expert's down poisoned, in rank 2's columns (blocks 8..11 of 16): only rank
+  // 2 reads it.
   Poison down_rank2{[&](const std::string& prefix, int64_t row, int64_t block) {
     return prefix.ends_with("experts.3.down_proj") && row == 17 && block == 2 * (I / R / 16) + 1;
   }};
