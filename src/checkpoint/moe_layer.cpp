@@ -1,8 +1,8 @@
 // Loads NVFP4 linears and one MoE layer (model.layers.{L}.mlp) from a ModelOpt or
 // compressed-tensors checkpoint. The packed codes and block scales are not copied: Nvfp4Linear
 // points into the mapped files and its owner keeps them mapped. Everything the kernels and the
-// reference will trust is checked here: names, dtypes, shapes, every block scale byte and every
-// global scale.
+// reference will trust is checked here: names, dtypes, shapes, every block scale byte (for a
+// tensor-parallel rank, load_moe_layer_tp: every byte of its slice) and every global scale.
 
 #include <array>
 #include <bit>
@@ -11,12 +11,14 @@
 #include <cstring>
 #include <initializer_list>
 #include <limits>
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include "megamoe/checkpoint.h"
 #include "megamoe/format.h"
 #include "megamoe/status.h"
+#include "megamoe/tp.h"
 
 namespace megamoe {
 namespace {
@@ -68,32 +70,46 @@ void expect_positive_finite(float v, const TensorRef& t, const char* role) {
                 ") is ", v, "; it must be finite and > 0.");
 }
 
+// The block scales a load checks: rows [row_first, row_first + row_count) and, in each of them,
+// blocks [block_first, block_first + block_count); a count of -1 means to the end. The default is
+// the whole tensor.
+struct ScaleRegion {
+  int64_t row_first = 0, row_count = -1;
+  int64_t block_first = 0, block_count = -1;
+};
+
 // Every block scale byte must be a valid ue4m3 (non-negative, not NaN): a bad one would poison a
 // whole 16-element block in the kernels without any error. The table makes the scan of the
-// ~700 MB of scales of a DeepSeek-V3 layer a byte lookup per scale.
-void check_block_scales(const TensorRef& t, int64_t blocks_per_row) {
+// ~700 MB of scales of a DeepSeek-V3 layer a byte lookup per scale. `region` limits the scan to
+// the part one tensor-parallel rank reads (load_moe_layer_tp); positions in errors are the whole
+// tensor's.
+void check_block_scales(const TensorRef& t, int64_t blocks_per_row, const ScaleRegion& region) {
   static const std::array<bool, 256> valid = [] {
     std::array<bool, 256> v{};
     for (int b = 0; b < 256; ++b) v[b] = format::ue4m3_is_valid(static_cast<uint8_t>(b));
     return v;
   }();
-  const uint8_t* p = t.bytes.data();
-  const size_t n = t.bytes.size();
-  for (size_t i = 0; i < n; ++i) {
-    if (valid[p[i]]) continue;
-    const uint8_t b = p[i];
-    const int64_t row = static_cast<int64_t>(i) / blocks_per_row;
-    const int64_t block = static_cast<int64_t>(i) % blocks_per_row;
-    const bool nan = (b & 0x7F) == 0x7F;
-    char hex[8];
-    std::snprintf(hex, sizeof(hex), "0x%02X", b);
-    MEGAMOE_FAIL(kInvalidCheckpoint, describe(t), " has block scale ", hex, " at row ", row,
-                 ", block ", block, " (elements ", block * format::kNvfp4BlockSize, " to ",
-                 (block + 1) * format::kNvfp4BlockSize - 1, "), which is ",
-                 nan ? std::string("NaN") : detail::concat("negative (", format::e4m3_to_f32(b), ")"),
-                 "; ue4m3 block scales must be finite and non-negative (NaN scales are valid "
-                 "only in ModelOpt's all-zero weight: weight_scale_2 = 0, every block scale "
-                 "NaN (0x7F or 0xFF), every code 0x77).");
+  const int64_t rows = static_cast<int64_t>(t.bytes.size()) / blocks_per_row;
+  const int64_t row_end = region.row_count < 0 ? rows : region.row_first + region.row_count;
+  const int64_t block_end =
+      region.block_count < 0 ? blocks_per_row : region.block_first + region.block_count;
+  for (int64_t row = region.row_first; row < row_end; ++row) {
+    const uint8_t* p = t.bytes.data() + row * blocks_per_row;
+    for (int64_t block = region.block_first; block < block_end; ++block) {
+      const uint8_t b = p[block];
+      if (valid[b]) continue;
+      const bool nan = (b & 0x7F) == 0x7F;
+      char hex[8];
+      std::snprintf(hex, sizeof(hex), "0x%02X", b);
+      MEGAMOE_FAIL(kInvalidCheckpoint, describe(t), " has block scale ", hex, " at row ", row,
+                   ", block ", block, " (elements ", block * format::kNvfp4BlockSize, " to ",
+                   (block + 1) * format::kNvfp4BlockSize - 1, "), which is ",
+                   nan ? std::string("NaN")
+                       : detail::concat("negative (", format::e4m3_to_f32(b), ")"),
+                   "; ue4m3 block scales must be finite and non-negative (NaN scales are valid "
+                   "only in ModelOpt's all-zero weight: weight_scale_2 = 0, every block scale "
+                   "NaN (0x7F or 0xFF), every code 0x77).");
+    }
   }
 }
 
@@ -136,8 +152,11 @@ std::string why_not_moe(const ModelConfig& c) {
 
 }  // namespace
 
-Nvfp4Linear load_nvfp4_linear(const Checkpoint& ckpt, const std::string& prefix,
-                              int64_t out_features, int64_t in_features) {
+namespace {
+
+// load_nvfp4_linear, checking the block scales of `region` only.
+Nvfp4Linear load_linear(const Checkpoint& ckpt, const std::string& prefix, int64_t out_features,
+                        int64_t in_features, const ScaleRegion& region) {
   MEGAMOE_CHECK(out_features >= 1 && in_features >= 1, kInvalidArgument, "NVFP4 linear '", prefix,
                 "': out_features ", out_features, " and in_features ", in_features,
                 " must both be >= 1.");
@@ -189,7 +208,7 @@ Nvfp4Linear load_nvfp4_linear(const Checkpoint& ckpt, const std::string& prefix,
                                1.0f, input_scale);
     }
   }
-  check_block_scales(scale, blocks);
+  check_block_scales(scale, blocks, region);
 
   Nvfp4Linear lin;
   lin.out_features = out_features;
@@ -237,7 +256,19 @@ Nvfp4Linear load_nvfp4_linear(const Checkpoint& ckpt, const std::string& prefix,
   return lin;
 }
 
-MoeLayer load_moe_layer(const Checkpoint& ckpt, const ModelConfig& config, int64_t layer) {
+}  // namespace
+
+Nvfp4Linear load_nvfp4_linear(const Checkpoint& ckpt, const std::string& prefix,
+                              int64_t out_features, int64_t in_features) {
+  return load_linear(ckpt, prefix, out_features, in_features, ScaleRegion{});
+}
+
+namespace {
+
+// load_moe_layer, or with `tp` load_moe_layer_tp: the whole layer's linears are mapped (views, no
+// copy) but only the rank's slice of each is checked, then tp_local_layer slices them.
+MoeLayer load_layer(const Checkpoint& ckpt, const ModelConfig& config, int64_t layer,
+                    const std::optional<TpConfig>& tp) {
   MEGAMOE_CHECK(config.is_moe_layer(layer), kInvalidArgument, "layer ", layer, " of the ",
                 config.architecture, " model in '", ckpt.path(), "' is not a MoE layer (",
                 why_not_moe(config), ").");
@@ -281,12 +312,29 @@ MoeLayer load_moe_layer(const Checkpoint& ckpt, const ModelConfig& config, int64
                   last_modelopt ? ".weight'" : ".weight_packed'",
                   "); the config and the tensor names must agree.");
   }
+  // The block scales one expert's load checks: all of them, or a TP rank's slice (gate and up:
+  // its rows of [I, H]; down: its columns of [H, I], i.e. its blocks of every row).
+  struct ExpertRegions {
+    ScaleRegion rows, columns;
+  };
+  const auto regions = [&](int64_t inter, const char* what) {
+    if (!tp) return ExpertRegions{};
+    const TpRange r = tp_range(inter, *tp, what);
+    return ExpertRegions{ScaleRegion{r.first, r.count, 0, -1},
+                         ScaleRegion{0, -1, r.first / format::kNvfp4BlockSize,
+                                     r.count / format::kNvfp4BlockSize}};
+  };
+  const ExpertRegions routed = regions(I, "moe_intermediate_size");
+  if (tp && config.n_shared_experts > 0) {
+    // Refused before any tensor data is read (the shared expert's I is n_shared x I, checked below).
+    regions(int64_t(config.n_shared_experts) * I, "the shared expert's intermediate size");
+  }
   out.experts.reserve(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) {
     const std::string p = mlp + ".experts." + std::to_string(e);
-    out.experts.push_back({load_nvfp4_linear(ckpt, p + ".gate_proj", I, H),
-                           load_nvfp4_linear(ckpt, p + ".up_proj", I, H),
-                           load_nvfp4_linear(ckpt, p + ".down_proj", H, I)});
+    out.experts.push_back({load_linear(ckpt, p + ".gate_proj", I, H, routed.rows),
+                           load_linear(ckpt, p + ".up_proj", I, H, routed.rows),
+                           load_linear(ckpt, p + ".down_proj", H, I, routed.columns)});
   }
 
   if (config.n_shared_experts > 0) {
@@ -302,9 +350,10 @@ MoeLayer load_moe_layer(const Checkpoint& ckpt, const ModelConfig& config, int64
                       ") x moe_intermediate_size (", I, ") = ", expected, ".");
       }
     }
-    out.shared_expert = ExpertWeights{load_nvfp4_linear(ckpt, p + ".gate_proj", shared_i, H),
-                                      load_nvfp4_linear(ckpt, p + ".up_proj", shared_i, H),
-                                      load_nvfp4_linear(ckpt, p + ".down_proj", H, shared_i)};
+    const ExpertRegions shared = regions(shared_i, "the shared expert's intermediate size");
+    out.shared_expert = ExpertWeights{load_linear(ckpt, p + ".gate_proj", shared_i, H, shared.rows),
+                                      load_linear(ckpt, p + ".up_proj", shared_i, H, shared.rows),
+                                      load_linear(ckpt, p + ".down_proj", H, shared_i, shared.columns)};
   }
 
   // The router is optional (callers may route themselves), but when present it must be right.
@@ -318,8 +367,20 @@ MoeLayer load_moe_layer(const Checkpoint& ckpt, const ModelConfig& config, int64
     out.e_score_correction_bias = load_router_tensor(bias, {DType::F32, DType::BF16}, {E},
                                                      "router correction bias, [experts]");
   }
+  if (tp) return tp_local_layer(out, *tp);  // validates the layer first
   out.validate();
   return out;
+}
+
+}  // namespace
+
+MoeLayer load_moe_layer(const Checkpoint& ckpt, const ModelConfig& config, int64_t layer) {
+  return load_layer(ckpt, config, layer, std::nullopt);
+}
+
+MoeLayer load_moe_layer_tp(const Checkpoint& ckpt, const ModelConfig& config, int64_t layer,
+                           const TpConfig& tp) {
+  return load_layer(ckpt, config, layer, tp);
 }
 
 }  // namespace megamoe
