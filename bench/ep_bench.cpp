@@ -129,56 +129,81 @@ double timed_median_us(Fn&& fn, int iters, int warmup, cudaStream_t stream, cons
   return median(us);
 }
 
-// NVLink copy rate from this rank's GPU to the next rank's (cudaMemcpyPeerAsync, 1 GiB, copy
-// engines), every rank at once (a ring: each GPU sends one stream and receives one, as in an
-// all-to-all), GB/s one direction. The destination is allocated in this process on the peer's GPU
-// (a context there; freed after), so no memory handle crosses processes.
-double measure_peer_gbps(const BenchComm& comm, cudaStream_t stream) {
-  const int R = comm.world(), rank = comm.rank(), peer = (rank + 1) % R;
-  if (R == 1) return 0.0;
-  int can = 0;
-  gpu::check_cuda(cudaDeviceCanAccessPeer(&can, rank, peer), "cudaDeviceCanAccessPeer");
-  MEGAMOE_CHECK(can == 1, kUnsupported, "bench --ep: GPU ", rank, " cannot access GPU ", peer,
-                " directly (no peer access): expert parallelism needs NVLink between the GPUs");
-  const cudaError_t enabled = cudaDeviceEnablePeerAccess(peer, 0);
-  if (enabled == cudaErrorPeerAccessAlreadyEnabled) {
-    (void)cudaGetLastError();  // clears the sticky-free error state of that call
-  } else {
-    gpu::check_cuda(enabled, "cudaDeviceEnablePeerAccess");
-  }
+// The NVLink copy rate from this rank's GPU to the next rank's, every rank at once (a ring: each
+// GPU sends one stream and receives one, as in an all-to-all), GB/s in one direction, median of 10
+// copies of 1 GiB after 2 untimed ones.
+//
+// With the copy engines (cudaMemcpyPeerAsync; "copy engine") where every rank can: the
+// destination is allocated by this process on the peer's GPU (a context of this process there), so
+// no memory handle crosses processes. Where some rank cannot (no peer access, or a peer GPU in an
+// exclusive compute mode, where a second process's context is refused), every rank measures NCCL
+// send/recv instead ("nccl"), which moves the bytes through NCCL's own buffers and may read lower.
+// The ranks agree on the method first: the two use different collectives.
+struct PeerRate {
+  double gbps = 0;
+  const char* method = "none";  // one rank: no peer
+};
+
+PeerRate measure_peer_rate(const BenchComm& comm, cudaStream_t stream) {
+  const int R = comm.world(), rank = comm.rank(), next = (rank + 1) % R, prev = (rank + R - 1) % R;
+  if (R == 1) return {};
+  int can = 0, mode = -1;
+  gpu::check_cuda(cudaDeviceCanAccessPeer(&can, rank, next), "cudaDeviceCanAccessPeer");
+  gpu::check_cuda(cudaDeviceGetAttribute(&mode, cudaDevAttrComputeMode, next), "cudaDeviceGetAttribute");
+  const int copy_engine_ok = can == 1 && mode == cudaComputeModeDefault;
+  bool all_ok = true;
+  for (int ok : comm.all_gather(copy_engine_ok, stream)) all_ok = all_ok && ok == 1;
+
   const size_t bytes = size_t{1} << 30;
-  void* dst = nullptr;
-  gpu::check_cuda(cudaSetDevice(peer), "cudaSetDevice(peer)");
-  gpu::check_cuda(cudaMalloc(&dst, bytes), "cudaMalloc(on the peer GPU)");
-  gpu::check_cuda(cudaSetDevice(rank), "cudaSetDevice");
-  double us = 0;
-  {
-    DeviceBuffer<uint8_t> src(bytes);
-    src.poison(0x5A);
-    gpu::check_cuda(cudaDeviceSynchronize(), "cudaMemset");
-    cudaEvent_t a, b;
-    gpu::check_cuda(cudaEventCreate(&a), "cudaEventCreate");
-    gpu::check_cuda(cudaEventCreate(&b), "cudaEventCreate");
-    std::vector<double> times;
-    for (int r = 0; r < 12; ++r) {
-      comm.barrier(stream);
-      gpu::check_cuda(cudaEventRecord(a, stream), "cudaEventRecord");
-      gpu::check_cuda(cudaMemcpyPeerAsync(dst, peer, src.get(), rank, bytes, stream), "cudaMemcpyPeerAsync");
-      gpu::check_cuda(cudaEventRecord(b, stream), "cudaEventRecord");
-      gpu::check_cuda(cudaEventSynchronize(b), "cudaEventSynchronize");
-      float ms = 0;
-      gpu::check_cuda(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
-      if (r >= 2) times.push_back(1000.0 * ms);
+  DeviceBuffer<uint8_t> src(bytes);
+  src.poison(0x5A);
+  gpu::check_cuda(cudaDeviceSynchronize(), "cudaMemset");
+  void* dst = nullptr;  // on the next GPU (copy engines) or on this one (NCCL receives here)
+  if (all_ok) {
+    const cudaError_t enabled = cudaDeviceEnablePeerAccess(next, 0);
+    if (enabled == cudaErrorPeerAccessAlreadyEnabled) {
+      (void)cudaGetLastError();  // not an error here; clear it
+    } else {
+      gpu::check_cuda(enabled, "cudaDeviceEnablePeerAccess");
     }
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-    us = median(times);
+    gpu::check_cuda(cudaSetDevice(next), "cudaSetDevice(peer)");
+    gpu::check_cuda(cudaMalloc(&dst, bytes), "cudaMalloc(on the peer GPU)");
+    gpu::check_cuda(cudaSetDevice(rank), "cudaSetDevice");
+  } else {
+    gpu::check_cuda(cudaMalloc(&dst, bytes), "cudaMalloc");
   }
-  gpu::check_cuda(cudaSetDevice(peer), "cudaSetDevice(peer)");
-  gpu::check_cuda(cudaFree(dst), "cudaFree(on the peer GPU)");
-  gpu::check_cuda(cudaSetDevice(rank), "cudaSetDevice");
-  gpu::check_cuda(cudaDeviceDisablePeerAccess(peer), "cudaDeviceDisablePeerAccess");
-  return static_cast<double>(bytes) / (us * 1e-6) / 1e9;
+  cudaEvent_t a, b;
+  gpu::check_cuda(cudaEventCreate(&a), "cudaEventCreate");
+  gpu::check_cuda(cudaEventCreate(&b), "cudaEventCreate");
+  std::vector<double> times;
+  for (int r = 0; r < 12; ++r) {
+    comm.barrier(stream);
+    gpu::check_cuda(cudaEventRecord(a, stream), "cudaEventRecord");
+    if (all_ok) {
+      gpu::check_cuda(cudaMemcpyPeerAsync(dst, next, src.get(), rank, bytes, stream), "cudaMemcpyPeerAsync");
+    } else {
+      check_nccl(ncclGroupStart(), "ncclGroupStart");
+      check_nccl(ncclSend(src.get(), bytes, ncclUint8, next, comm.get(), stream), "ncclSend");
+      check_nccl(ncclRecv(dst, bytes, ncclUint8, prev, comm.get(), stream), "ncclRecv");
+      check_nccl(ncclGroupEnd(), "ncclGroupEnd");
+    }
+    gpu::check_cuda(cudaEventRecord(b, stream), "cudaEventRecord");
+    gpu::check_cuda(cudaEventSynchronize(b), "cudaEventSynchronize");
+    float ms = 0;
+    gpu::check_cuda(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
+    if (r >= 2) times.push_back(1000.0 * ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  if (all_ok) {
+    gpu::check_cuda(cudaSetDevice(next), "cudaSetDevice(peer)");
+    gpu::check_cuda(cudaFree(dst), "cudaFree(on the peer GPU)");
+    gpu::check_cuda(cudaSetDevice(rank), "cudaSetDevice");
+    gpu::check_cuda(cudaDeviceDisablePeerAccess(next), "cudaDeviceDisablePeerAccess");
+  } else {
+    gpu::check_cuda(cudaFree(dst), "cudaFree");
+  }
+  return {static_cast<double>(bytes) / (median(times) * 1e-6) / 1e9, all_ok ? "copy engine" : "nccl"};
 }
 
 // Parts of a point that draw random inputs, each from its own generator seeded by (seed, part,
@@ -451,9 +476,10 @@ void run_ep_bench_rank(const EpRankSetup& setup, int rank) {
   info.rates.copy_tbps = measure_copy_tbps(stream, 0);
   comm.host_barrier(stream);
   info.rates.mma_tflops = measure_bf16_tflops(stream, 0);
-  info.rates.peer_gbps = measure_peer_gbps(comm, stream);
+  const PeerRate peer = measure_peer_rate(comm, stream);
+  info.rates.peer_gbps = peer.gbps;
   log("copy " + std::to_string(info.rates.copy_tbps) + " TB/s, bf16 " + std::to_string(info.rates.mma_tflops) +
-      " TFLOP/s, peer " + std::to_string(info.rates.peer_gbps) + " GB/s");
+      " TFLOP/s, peer " + std::to_string(info.rates.peer_gbps) + " GB/s (" + peer.method + ")");
 
   // ---- the layer: only this rank's experts are read (views of the mapped checkpoint); the CPU
   // reference reads the few experts the checked tokens chose
@@ -548,16 +574,16 @@ void run_ep_bench_rank(const EpRankSetup& setup, int rank) {
     report["mode"] = "ep";
     report["device"] = prop.name;
     report["ep"] = {{"world_size", R}, {"max_tokens_per_rank", max_t}, {"deterministic", opt.deterministic},
-                    {"iters", opt.iters}, {"nccl_version", NCCL_VERSION_CODE}};
+                    {"iters", opt.iters}, {"nccl_version", NCCL_VERSION_CODE}, {"peer_rate_method", peer.method}};
     report["l2_flush"] = to_string(flush.mode());
     report["layer"] = {{"H", H}, {"I", shape.intermediate}, {"E", E}, {"top_k", k},
                        {"shared_I", shape.shared_intermediate}, {"preset", setup.layer_label}};
     report["ranks"] = nlohmann::json::array();
     for (int r = 0; r < R; ++r) {
       const EpRankInfo& in = infos[static_cast<size_t>(r)];
-      std::printf("  rank %d: %s, copy %.2f TB/s, bf16 %.0f TFLOP/s, NVLink copy to rank %d %.0f GB/s; EP layer "
+      std::printf("  rank %d: %s, copy %.2f TB/s, bf16 %.0f TFLOP/s, NVLink to rank %d %.0f GB/s (%s); EP layer "
                   "%.2f GB on the GPU (MoeEpLayer::device_bytes), %.1f GB free after setup\n",
-                  r, in.device, in.rates.copy_tbps, in.rates.mma_tflops, (r + 1) % R, in.rates.peer_gbps,
+                  r, in.device, in.rates.copy_tbps, in.rates.mma_tflops, (r + 1) % R, in.rates.peer_gbps, peer.method,
                   in.ep_device_bytes / 1e9, in.free_bytes / 1e9);
       report["ranks"].push_back({{"rank", r}, {"device", in.device}, {"copy_tbps", in.rates.copy_tbps},
                                  {"bf16_tflops", in.rates.mma_tflops}, {"peer_gbps", in.rates.peer_gbps},

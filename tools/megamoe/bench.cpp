@@ -190,7 +190,7 @@ Command add_bench_command(CLI::App& parent) {
                   "of its tokens (spread from the first to the last), whose output comes from a replay of the "
                   "timed graph (1..64)")
       ->capture_default_str();
-  app->add_flag("!--no-baseline", opt->baseline, "skip the bf16 cuBLAS baseline");
+  app->add_flag("!--no-baseline", opt->baseline, "skip the bf16 cuBLAS baseline (with --ep: baselines (a) and (b))");
   app->add_flag("--deterministic", opt->deterministic, "fixed-order combine");
   auto fused = std::make_shared<std::string>();
   app->add_option("--fused", *fused, "override the heuristic: the fused L1 + L2 launch (16- and 32-token decode tiles: up to 24 tokens per expert)")
