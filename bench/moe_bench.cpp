@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench/bench_common.h"
 #include "bench/l2_flush.h"
 #include "bench/sm90_bf16_baseline.h"
 #include "bench/sm_clock.h"
@@ -33,108 +34,7 @@
 namespace megamoe::bench {
 namespace {
 
-using gpu::check_cuda;
-
-constexpr double kNvfp4BytesPerWeight = 0.5625;  // 4-bit code + one 1-byte scale per 16
-
 using tools::DeviceBuffer;
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-// Runs flush + `fn` untimed for `ms` milliseconds (BenchOptions::warm_ms; nothing for 0).
-template <class Fn>
-void run_untimed_for(Fn&& fn, cudaStream_t stream, const L2Flush* flush, int ms) {
-  if (ms <= 0) return;
-  const auto t0 = std::chrono::steady_clock::now();
-  for (int r = 0; std::chrono::steady_clock::now() - t0 < std::chrono::milliseconds(ms); ++r) {
-    if (flush) flush->run(stream, r);
-    fn();
-    // A few runs in flight at most: the loop's clock then follows the GPU's.
-    if (r % 4 == 3) check_cuda(cudaStreamSynchronize(stream), "warm-up");
-  }
-  check_cuda(cudaStreamSynchronize(stream), "warm-up");
-}
-
-// Median time in µs of `fn` (which enqueues work on `stream`) over `reps` runs after `warmup`
-// untimed ones, with CUDA events. With `flush`, the L2 is emptied before each run (l2_flush.h),
-// as when other layers run in between. With warm_ms > 0, flush + fn run untimed for that long
-// first (BenchOptions::warm_ms).
-template <class Fn>
-double event_median_us(Fn&& fn, int reps, int warmup, cudaStream_t stream, const L2Flush* flush, int warm_ms) {
-  run_untimed_for(fn, stream, flush, warm_ms);
-  cudaEvent_t a, b;
-  check_cuda(cudaEventCreate(&a), "cudaEventCreate");
-  check_cuda(cudaEventCreate(&b), "cudaEventCreate");
-  std::vector<double> us;
-  for (int r = 0; r < warmup + reps; ++r) {
-    if (flush) flush->run(stream, r);
-    check_cuda(cudaEventRecord(a, stream), "cudaEventRecord");
-    fn();
-    check_cuda(cudaEventRecord(b, stream), "cudaEventRecord");
-    check_cuda(cudaEventSynchronize(b), "cudaEventSynchronize");
-    float ms = 0;
-    check_cuda(cudaEventElapsedTime(&ms, a, b), "cudaEventElapsedTime");
-    if (r >= warmup) us.push_back(1000.0 * ms);
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  return median(us);
-}
-
-// A captured CUDA graph of whatever `enqueue` puts on the stream.
-struct Graph {
-  cudaGraphExec_t exec = nullptr;
-  template <class Fn>
-  Graph(cudaStream_t stream, Fn&& enqueue) {
-    cudaGraph_t g;
-    check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
-    enqueue();
-    check_cuda(cudaStreamEndCapture(stream, &g), "end capture");
-    check_cuda(cudaGraphInstantiate(&exec, g, 0), "cudaGraphInstantiate");
-    cudaGraphDestroy(g);
-  }
-  ~Graph() { if (exec) cudaGraphExecDestroy(exec); }
-  void launch(cudaStream_t s) const { check_cuda(cudaGraphLaunch(exec, s), "cudaGraphLaunch"); }
-};
-
-double measure_copy_tbps(cudaStream_t stream, int warm_ms) {
-  const size_t bytes = size_t{2} << 30;
-  DeviceBuffer<uint8_t> src(bytes), dst(bytes);
-  check_cuda(cudaMemset(src.get(), 0x5A, bytes), "memset");
-  const double us = event_median_us(
-      [&] { check_cuda(cudaMemcpyAsync(dst.get(), src.get(), bytes, cudaMemcpyDeviceToDevice, stream), "D2D copy"); },
-      10, 2, stream, nullptr, warm_ms);
-  return 2.0 * bytes / (us * 1e-6) / 1e12;  // read + write
-}
-
-double measure_bf16_tflops(cudaStream_t stream, int warm_ms) {
-  const int n = 8192;
-  std::vector<uint16_t> h(size_t(n) * n);
-  std::mt19937 rng(7);
-  std::normal_distribution<float> nd;
-  for (auto& v : h) v = f32_to_bf16(nd(rng));
-  DeviceBuffer<uint16_t> A(h.size()), B(h.size()), C(h.size());
-  A.upload(h);
-  B.upload(h);
-  cublasHandle_t handle;
-  MEGAMOE_CHECK(cublasCreate(&handle) == CUBLAS_STATUS_SUCCESS, kCuda, "cublasCreate failed");
-  cublasSetStream(handle, stream);
-  const float one = 1, zero = 0;
-  const double us = event_median_us(
-      [&] {
-        MEGAMOE_CHECK(cublasGemmEx(handle, CUBLAS_OP_T, CUBLAS_OP_N, n, n, n, &one, A.get(), CUDA_R_16BF, n, B.get(),
-                                   CUDA_R_16BF, n, &zero, C.get(), CUDA_R_16BF, n, CUBLAS_COMPUTE_32F,
-                                   CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS,
-                      kCuda, "cublasGemmEx failed");
-      },
-      10, 2, stream, nullptr, warm_ms);
-  cublasDestroy(handle);
-  return 2.0 * double(n) * n * n / (us * 1e-6) / 1e12;
-}
 
 // The parts of a run that draw random inputs. Each draws from its own generator, seeded by
 // (seed, part, T) alone, so a timed point's tokens and routing are the same whatever else the run
@@ -144,117 +44,9 @@ double measure_bf16_tflops(cudaStream_t stream, int warm_ms) {
 // runs and 98 in v26's.)
 enum class InputPart : uint64_t { kAccuracy = 1, kCosine = 2, kPoint = 3 };
 
-uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
-
 std::mt19937_64 input_rng(uint64_t seed, InputPart part, int64_t T) {
   return std::mt19937_64(splitmix64(splitmix64(splitmix64(seed ^ 0xBE7C) ^ static_cast<uint64_t>(part)) ^
                                     static_cast<uint64_t>(T)));
-}
-
-// FNV-1a over a point's inputs (hidden bits, expert ids, routing weight bits): recorded in the
-// JSON so that two runs can be checked to have timed the same inputs.
-uint64_t inputs_fingerprint(const std::vector<uint16_t>& x, const reference::TopK& topk) {
-  uint64_t h = 0xCBF29CE484222325ull;
-  auto mix = [&](const void* data, size_t bytes) {
-    const auto* b = static_cast<const uint8_t*>(data);
-    for (size_t i = 0; i < bytes; ++i) h = (h ^ b[i]) * 0x100000001B3ull;
-  };
-  mix(x.data(), x.size() * sizeof(x[0]));
-  mix(topk.ids.data(), topk.ids.size() * sizeof(topk.ids[0]));
-  mix(topk.weights.data(), topk.weights.size() * sizeof(topk.weights[0]));
-  return h;
-}
-
-std::string hex64(uint64_t v) {
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
-  return buf;
-}
-
-// Uniform random distinct experts per token, weights positive and normalised.
-reference::TopK uniform_topk(std::mt19937_64& rng, int64_t T, int64_t E, int k) {
-  reference::TopK r;
-  r.tokens = T;
-  r.k = k;
-  r.ids.resize(size_t(T * k));
-  r.weights.resize(size_t(T * k));
-  std::uniform_real_distribution<float> u(0.1f, 1.0f);
-  for (int64_t t = 0; t < T; ++t) {
-    std::set<int32_t> chosen;
-    float sum = 0;
-    for (int j = 0; j < k; ++j) {
-      int32_t e;
-      do e = int32_t(rng() % uint64_t(E)); while (!chosen.insert(e).second);
-      r.ids[size_t(t * k + j)] = e;
-      sum += (r.weights[size_t(t * k + j)] = u(rng));
-    }
-    for (int j = 0; j < k; ++j) r.weights[size_t(t * k + j)] /= sum;
-  }
-  return r;
-}
-
-std::vector<uint16_t> random_hidden(std::mt19937_64& rng, int64_t T, int64_t H) {
-  std::normal_distribution<float> nd(0.0f, 1.0f);
-  std::vector<uint16_t> x(size_t(T * H));
-  for (auto& v : x) v = f32_to_bf16(nd(rng));
-  return x;
-}
-
-// Issue 3's bound on the layer's relative L2 error against the CPU reference.
-constexpr double kMaxRelL2 = 2e-3;
-
-double rel_l2(const std::vector<uint16_t>& got, const std::vector<float>& ref, int64_t* nonfinite) {
-  double num = 0, den = 0;
-  *nonfinite = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    const double g = bf16_to_f32(got[i]);
-    if (!std::isfinite(g)) { ++*nonfinite; continue; }
-    num += (g - ref[i]) * (g - ref[i]);
-    den += double(ref[i]) * ref[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
-
-// `count` token rows spread evenly over [0, T) (the first and the last among them): a timed point
-// is checked where its first and its last tiles write.
-std::vector<int64_t> spread_rows(int64_t T, int64_t count) {
-  count = std::min(count, T);
-  std::vector<int64_t> rows;
-  for (int64_t i = 0; i < count; ++i) rows.push_back(count == 1 ? 0 : i * (T - 1) / (count - 1));
-  return rows;
-}
-
-// The rows `rows` of a layer's GPU output `got` ([T, H] bf16) against the CPU reference run on
-// those tokens alone (tokens are independent), as a relative L2 error; *nonfinite counts the
-// non-finite values among them.
-double reference_rel_l2(const MoeLayer& layer, const std::vector<uint16_t>& x, const reference::TopK& topk,
-                        const std::vector<uint16_t>& got, const std::vector<int64_t>& rows, int64_t* nonfinite) {
-  const int64_t H = layer.hidden_size, k = topk.k, n = int64_t(rows.size());
-  std::vector<uint16_t> xs(size_t(n * H)), gs(size_t(n * H));
-  reference::TopK ts;
-  ts.tokens = n;
-  ts.k = topk.k;
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t r = rows[size_t(j)];
-    std::copy_n(x.begin() + r * H, H, xs.begin() + j * H);
-    std::copy_n(got.begin() + r * H, H, gs.begin() + j * H);
-    ts.ids.insert(ts.ids.end(), topk.ids.begin() + r * k, topk.ids.begin() + (r + 1) * k);
-    ts.weights.insert(ts.weights.end(), topk.weights.begin() + r * k, topk.weights.begin() + (r + 1) * k);
-  }
-  // Both outputs are bf16: the error is what the GPU arithmetic adds beyond the final rounding.
-  const auto ref_bf16 = reference::moe_forward(layer, xs, n, ts);
-  std::vector<float> ref(ref_bf16.size());
-  for (size_t i = 0; i < ref.size(); ++i) ref[i] = bf16_to_f32(ref_bf16[i]);
-  return rel_l2(gs, ref, nonfinite);
-}
-
-int64_t count_nonfinite(const std::vector<uint16_t>& v) {
-  return std::count_if(v.begin(), v.end(), [](uint16_t b) { return !std::isfinite(bf16_to_f32(b)); });
 }
 
 double cosine(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {

@@ -1,13 +1,159 @@
 // `megamoe bench [--preset NAME] [--tokens 1,4,...] [--json FILE] ...`: the W4A16 MoE layer on
 // this GPU against its floor and the bf16 cuBLAS baseline (bench/moe_bench.h).
+// `megamoe bench --ep N [--tokens-per-rank 1,8,...]`: the expert-parallel layer over N GPUs of this
+// host against its floor and the unfused and single-GPU baselines (bench/ep_bench.h). This command
+// is the launcher: it synthesizes the layer once, then starts one process per GPU (this executable
+// again, with the hidden --ep-rank and --ep-setup) and waits for them.
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <string>
 
+#include <nlohmann/json.hpp>
+
+#include "bench/ep_bench.h"
+#include "bench/ep_bench_model.h"
 #include "bench/moe_bench.h"
 #include "commands.h"
+#include "megamoe/gpu.h"
+#include "megamoe/presets.h"
 #include "megamoe/status.h"
+#include "tools/megamoe/ep_launch.h"
+#if MEGAMOE_HAS_EP
+#include "megamoe/ep.h"
+#endif
 
 namespace megamoe::tool {
+
+namespace {
+
+// What only the EP launcher and its ranks take from the command line.
+struct EpCli {
+  int ep = 0;                 // --ep N (0: the single-GPU benchmark)
+  int ep_rank = -1;           // set by the launcher in the processes it starts
+  std::string ep_setup;       // the launcher's RUN_DIR/ep_bench.json (launcher -> ranks)
+  std::vector<int64_t> tokens_per_rank = bench::EpBenchOptions{}.tokens_per_rank;
+  int64_t max_tokens_per_rank = 0;
+  double ep_timeout = 60.0;
+  double deadline = 0;
+};
+
+// The EP run's options from the single-GPU ones they share and the EP ones; refuses the options
+// that have no meaning for it (named, with what to use instead).
+bench::EpBenchOptions ep_options(const bench::BenchOptions& b, const EpCli& e, const CLI::App& app) {
+  auto given = [&](const char* name) { return app.count(name) > 0; };
+  MEGAMOE_CHECK(!given("--tokens"), kInvalidArgument,
+                "bench --ep: --tokens is the single-GPU token list; with --ep give --tokens-per-rank");
+  for (const char* name : {"--fused", "--early-start", "--absorbing-tile"}) {
+    MEGAMOE_CHECK(!given(name), kInvalidArgument, "bench --ep: ", name,
+                  " overrides the single-GPU heuristic; the expert-parallel layer takes no tuning overrides");
+  }
+  MEGAMOE_CHECK(!given("--warm-ms") || b.warm_ms == 0, kInvalidArgument,
+                "bench --ep: --warm-ms is not supported with --ep (every rank must run the layer the same number "
+                "of times, and a warm-up by time does not guarantee it)");
+  bench::EpBenchOptions o;
+  o.world_size = e.ep;
+  o.preset = b.preset;
+  o.checkpoint = b.checkpoint;
+  o.layer = b.layer;
+  o.tokens_per_rank = e.tokens_per_rank;
+  o.max_tokens_per_rank = e.max_tokens_per_rank;
+  o.num_experts = b.num_experts;
+  o.shared_experts = b.shared_experts;
+  o.flush = b.flush;
+  o.iters = b.replays;
+  o.check_tokens = b.check_tokens;
+  o.baselines = b.baseline;
+  o.deterministic = b.deterministic;
+  o.seed = b.seed;
+  o.json = b.json.empty() ? "" : std::filesystem::absolute(b.json).string();
+  o.work_dir = b.work_dir;
+  o.ep_timeout = e.ep_timeout;
+  o.deadline = e.deadline;
+  return o;
+}
+
+// The launcher: validates (no GPU needed for that), synthesizes the layer once, starts the ranks,
+// and reports the checks' verdict that rank 0 left.
+void run_ep_launcher(const bench::EpBenchOptions& opt) {
+  bench::validate_ep_bench_options(opt);
+#if !MEGAMOE_HAS_EP
+  MEGAMOE_FAIL(kUnsupported, "megamoe bench --ep: this build has no expert parallelism (configured with "
+               "-DMEGAMOE_EP=OFF)");
+#else
+  const int R = opt.world_size;
+  MEGAMOE_CHECK(gpu::device_count() >= R, kUnsupported, "megamoe bench --ep ", R, " needs ", R,
+                " CUDA devices (one per rank); this host has ", gpu::device_count());
+  std::string dir_template = (std::filesystem::temp_directory_path() / "megamoe-bench-ep-XXXXXX").string();
+  MEGAMOE_CHECK(mkdtemp(dir_template.data()) != nullptr, kIo, "megamoe bench --ep: could not create a temporary "
+                "directory in ", std::filesystem::temp_directory_path().string());
+  const std::filesystem::path dir = dir_template;
+  try {
+    bench::EpRankSetup setup;
+    setup.options = opt;
+    if (opt.checkpoint.empty()) {
+      // Synthesized once, here; every rank maps it and reads only its own experts.
+      const ModelPreset& preset = find_preset(opt.preset);
+      setup.checkpoint_dir = opt.work_dir.empty() ? (dir / "checkpoint").string() : opt.work_dir;
+      SynthOptions so;
+      so.seed = opt.seed;
+      so.num_experts = opt.num_experts;
+      so.shared_experts = opt.shared_experts;
+      so.progress = true;
+      synth_checkpoint(preset, setup.checkpoint_dir, so);
+      setup.layer_label = preset.name + (opt.shared_experts == 0 ? "-routed" : "");
+      if (opt.num_experts > 0) setup.layer_label += "-E" + std::to_string(opt.num_experts);
+    } else {
+      setup.checkpoint_dir = std::filesystem::absolute(opt.checkpoint).string();
+      setup.layer_label = opt.checkpoint;
+    }
+    setup.layer_comm_id = EpUniqueId::create().to_hex();
+    setup.bench_comm_id = EpUniqueId::create().to_hex();
+    setup.status_file = (dir / "status").string();
+    const std::string setup_file = (dir / "ep_bench.json").string();
+    {
+      std::ofstream f(setup_file);
+      f << bench::to_json(setup).dump(2) << "\n";
+      MEGAMOE_CHECK(f.good(), kIo, "megamoe bench --ep: cannot write '", setup_file, "'");
+    }
+    EpRankLaunch launch;
+    launch.command = "megamoe bench --ep " + std::to_string(R);
+    launch.world_size = R;
+    launch.deadline_seconds = opt.deadline;
+    launch.rank_argv = [&](int r) {
+      return std::vector<std::string>{"megamoe", "bench", "--ep-rank", std::to_string(r), "--ep-setup", setup_file};
+    };
+    run_ep_ranks(launch);
+    std::ifstream status(setup.status_file);
+    std::string verdict;
+    status >> verdict;
+    MEGAMOE_CHECK(verdict == "pass" || verdict == "fail", kInternal, "megamoe bench --ep: rank 0 left no verdict in '",
+                  setup.status_file, "'");
+    MEGAMOE_CHECK(verdict == "pass", kInternal, "megamoe bench --ep ", R, ": the output checks failed (see above)");
+  } catch (...) {
+    std::filesystem::remove_all(dir);
+    throw;
+  }
+  std::filesystem::remove_all(dir);
+#endif
+}
+
+// A rank (a process the launcher started).
+void run_ep_rank(const EpCli& e) {
+  std::ifstream f(e.ep_setup);
+  MEGAMOE_CHECK(f.good(), kIo, "megamoe bench --ep-rank ", e.ep_rank, ": cannot read '", e.ep_setup, "'");
+  nlohmann::json j;
+  try {
+    f >> j;
+  } catch (const nlohmann::json::exception& ex) {
+    MEGAMOE_FAIL(kInvalidArgument, "megamoe bench --ep-rank: '", e.ep_setup, "' is not JSON: ", ex.what());
+  }
+  bench::run_ep_bench_rank(bench::ep_rank_setup_from_json(j), e.ep_rank);
+}
+
+}  // namespace
 
 Command add_bench_command(CLI::App& parent) {
   auto opt = std::make_shared<bench::BenchOptions>();
@@ -33,7 +179,7 @@ Command add_bench_command(CLI::App& parent) {
                   "also pays for writing back the memset's lines)")
       ->check(CLI::IsMember({"clean", "dirty"}))
       ->capture_default_str();
-  app->add_option("--replays", opt->replays, "timed graph replays per point (>= 20)")->capture_default_str();
+  app->add_option("--replays,--iters", opt->replays, "timed graph replays per point (>= 20)")->capture_default_str();
   app->add_option("--warm-ms", opt->warm_ms,
                   "before each timing, run the timed work (and its L2 flushes) this many ms untimed, so that the GPU's power "
                   "management settles (the SM clock drops under sustained load): times of a GPU kept busy; 0: "
@@ -44,7 +190,7 @@ Command add_bench_command(CLI::App& parent) {
                   "of its tokens (spread from the first to the last), whose output comes from a replay of the "
                   "timed graph (1..64)")
       ->capture_default_str();
-  app->add_flag("!--no-baseline", opt->baseline, "skip the bf16 cuBLAS baseline");
+  app->add_flag("!--no-baseline", opt->baseline, "skip the bf16 cuBLAS baseline (with --ep: baselines (a) and (b))");
   app->add_flag("--deterministic", opt->deterministic, "fixed-order combine");
   auto fused = std::make_shared<std::string>();
   app->add_option("--fused", *fused, "override the heuristic: the fused L1 + L2 launch (16- and 32-token decode tiles: up to 24 tokens per expert)")
@@ -61,7 +207,31 @@ Command add_bench_command(CLI::App& parent) {
   app->add_option("--seed", opt->seed, "seed of the synthesized weights and inputs");
   app->add_option("--json", opt->json, "write the results as JSON (plot with bench/plot_bench.py)");
   app->add_option("--work-dir", opt->work_dir, "where to write the synthesized checkpoint");
-  return {app, [opt, fused, early_start, absorbing_tile] {
+  auto ep = std::make_shared<EpCli>();
+  app->add_option("--ep", ep->ep,
+                  "expert parallelism over N GPUs of this host (1..8): this command starts one process per GPU, "
+                  "each with E/N experts; per --tokens-per-rank point the slowest rank's time, % of floor, the unfused "
+                  "baseline (NCCL all-to-all + the single-GPU layer) and the single-GPU layer on all tokens");
+  app->add_option("--tokens-per-rank", ep->tokens_per_rank, "with --ep: tokens per rank T_r, comma separated")
+      ->delimiter(',')
+      ->capture_default_str();
+  app->add_option("--max-tokens-per-rank", ep->max_tokens_per_rank,
+                  "with --ep: the layer's max tokens per rank, what an engine sizes it for (0: the largest T_r)")
+      ->capture_default_str();
+  app->add_option("--ep-timeout", ep->ep_timeout, "with --ep: seconds a rank waits for its peers at a layer barrier")
+      ->capture_default_str();
+  app->add_option("--ep-deadline", ep->deadline,
+                  "with --ep: end every rank and fail after this many seconds (0: no limit)")
+      ->capture_default_str();
+  // Set by the launcher for the processes it starts.
+  app->add_option("--ep-rank", ep->ep_rank)->group("")->check(CLI::Range(0, 7));
+  app->add_option("--ep-setup", ep->ep_setup)->group("");
+  return {app, [opt, fused, early_start, absorbing_tile, ep, app] {
+            if (ep->ep_rank >= 0) return run_ep_rank(*ep);
+            if (app->count("--ep") > 0) return run_ep_launcher(ep_options(*opt, *ep, *app));
+            for (const char* name : {"--tokens-per-rank", "--max-tokens-per-rank", "--ep-timeout", "--ep-deadline"}) {
+              MEGAMOE_CHECK(app->count(name) == 0, kInvalidArgument, "bench: ", name, " needs --ep N");
+            }
             if (!fused->empty()) opt->fused = *fused == "on";
             if (!absorbing_tile->empty()) opt->absorbing_tile = *absorbing_tile == "on";
             if (!early_start->empty()) opt->early_start = *early_start == "on";

@@ -7,14 +7,9 @@
 // (the last ones may get none) and gathers their outputs.
 #include <cuda_runtime.h>
 
-#include <signal.h>
-#include <spawn.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <cerrno>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -32,6 +27,7 @@
 #include "megamoe/status.h"
 #include "runtime/cuda_check.h"
 #include "tools/common/device_buffer.h"
+#include "tools/megamoe/ep_launch.h"
 
 namespace megamoe::tool {
 
@@ -49,8 +45,6 @@ struct RunArgs {
   std::string ep_id;         // the NCCL unique id, hex (launcher -> ranks)
   double ep_timeout = 60.0;  // seconds a rank waits for its peers at a barrier
 };
-
-extern "C" char** environ;
 
 // Token share of rank r: [first, end) of T, contiguous, ceil(T / R) each (the last may be short
 // or empty).
@@ -127,70 +121,24 @@ void run_ep_launcher(const RunArgs& args) {
   MEGAMOE_CHECK(mkdtemp(dir_template.data()) != nullptr, kIo, "megamoe run --ep: could not create a temporary "
                 "directory in ", std::filesystem::temp_directory_path().string());
   const std::filesystem::path dir = dir_template;
-  std::vector<std::string> env_strings;
-  for (char** e = environ; *e != nullptr; ++e) {
-    const std::string kv = *e;
-    if (kv.rfind("NCCL_NVLS_ENABLE=", 0) == 0 || kv.rfind("TORCH_SYMM_MEM_DISABLE_MULTICAST=", 0) == 0 ||
-        kv.rfind("NVSHMEM_DISABLE_NVLS=", 0) == 0)
-      continue;
-    env_strings.push_back(kv);
-  }
-  // Never NVLink multicast, in the ranks and in anything they start.
-  env_strings.push_back("NCCL_NVLS_ENABLE=0");
-  env_strings.push_back("TORCH_SYMM_MEM_DISABLE_MULTICAST=1");
-  env_strings.push_back("NVSHMEM_DISABLE_NVLS=1");
-  std::vector<char*> envp;
-  for (auto& e : env_strings) envp.push_back(e.data());
-  envp.push_back(nullptr);
-  std::vector<pid_t> pids;
-  for (int r = 0; r < R; ++r) {
-    std::vector<std::string> argv_s = {"megamoe", "run", "--checkpoint", args.checkpoint, "--layer",
-                                       std::to_string(args.layer), "--input", args.input, "--output",
-                                       (dir / ("rank" + std::to_string(r) + ".bin")).string(), "--ep",
-                                       std::to_string(R), "--ep-rank", std::to_string(r), "--ep-id", id.to_hex(),
-                                       "--ep-timeout", std::to_string(args.ep_timeout)};
-    if (args.deterministic) argv_s.push_back("--deterministic");
-    argv_s.insert(argv_s.end(), {"--precision", precision_name(args.precision)});
-    std::vector<char*> argv;
-    for (auto& a : argv_s) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    pid_t pid = 0;
-    const int rc = posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, argv.data(), envp.data());
-    if (rc != 0) {
-      // The ranks already started would wait for this one until their timeout: end them now.
-      for (pid_t started : pids) kill(started, SIGTERM);
-      for (pid_t started : pids) waitpid(started, nullptr, 0);
-      std::filesystem::remove_all(dir);
-      MEGAMOE_FAIL(kIo, "megamoe run --ep: could not start rank ", r, " (posix_spawn: ", std::strerror(rc), ")");
-    }
-    pids.push_back(pid);
-  }
-  // Wait for every rank; the first failure ends the others (they would wait for it at a barrier
-  // until their timeout).
-  int failed = -1, failed_status = 0;
-  for (size_t left = pids.size(); left > 0;) {
-    int status = 0;
-    const pid_t pid = waitpid(-1, &status, 0);
-    if (pid < 0 && errno == EINTR) continue;
-    MEGAMOE_CHECK(pid >= 0, kInternal, "megamoe run --ep: waitpid failed: ", std::strerror(errno));
-    for (size_t r = 0; r < pids.size(); ++r) {
-      if (pids[r] != pid) continue;
-      pids[r] = 0;
-      --left;
-      if ((!WIFEXITED(status) || WEXITSTATUS(status) != 0) && failed < 0) {
-        failed = static_cast<int>(r);
-        failed_status = status;
-        for (pid_t other : pids)
-          if (other > 0) kill(other, SIGTERM);
-      }
-    }
-  }
-  if (failed >= 0) {
+  EpRankLaunch launch;
+  launch.command = "megamoe run --ep " + std::to_string(R);
+  launch.world_size = R;
+  launch.rank_argv = [&](int r) {
+    std::vector<std::string> argv = {"megamoe", "run", "--checkpoint", args.checkpoint, "--layer",
+                                     std::to_string(args.layer), "--input", args.input, "--output",
+                                     (dir / ("rank" + std::to_string(r) + ".bin")).string(), "--ep",
+                                     std::to_string(R), "--ep-rank", std::to_string(r), "--ep-id", id.to_hex(),
+                                     "--ep-timeout", std::to_string(args.ep_timeout)};
+    if (args.deterministic) argv.push_back("--deterministic");
+    argv.insert(argv.end(), {"--precision", precision_name(args.precision)});
+    return argv;
+  };
+  try {
+    run_ep_ranks(launch);
+  } catch (...) {
     std::filesystem::remove_all(dir);
-    MEGAMOE_FAIL(kInternal, "megamoe run --ep ", R, ": rank ", failed, " failed (",
-                 WIFEXITED(failed_status) ? "exit status " + std::to_string(WEXITSTATUS(failed_status))
-                                          : "signal " + std::to_string(WTERMSIG(failed_status)),
-                 "); its message is above");
+    throw;
   }
   const int64_t T = job.topk.tokens, H = job.layer.hidden_size;
   std::vector<uint16_t> result(static_cast<size_t>(T * H));
