@@ -1349,9 +1349,19 @@ TEST_F(ToolQuantize, FusedGroupsShareOneGlobalScale) {
       e1 + "gate_proj.weight", e1 + "up_proj.weight",   at + "q_a_proj.weight",
       at + "kv_a_proj_with_mqa.weight", at + "q_b_proj.weight"};
   std::vector<Owned> input;
+  float own_amax_of_gate = -1.0f;
+  auto own_amax = [](const RandomTensor& t) {
+    float a = 0.0f;
+    for (float v : t.values) a = std::max(a, std::fabs(v));
+    return a;
+  };
   for (const std::string& name : names) {
     const bool zero = name.starts_with(e1);
     RandomTensor t = random_tensor(rng, DType::BF16, 32, 64);
+    // The grouping must matter: expert 0's up_proj gets an amax of its own (random tensors
+    // share their largest value now and then).
+    while (name == e0 + "up_proj.weight" && own_amax(t) == own_amax_of_gate) t = random_tensor(rng, DType::BF16, 32, 64);
+    if (name == e0 + "gate_proj.weight") own_amax_of_gate = own_amax(t);
     if (zero) {
       std::fill(t.values.begin(), t.values.end(), 0.0f);
       std::fill(t.bytes.begin(), t.bytes.end(), uint8_t{0});
