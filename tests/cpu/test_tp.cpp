@@ -461,7 +461,10 @@ TEST_F(TpLoad, RankLoadIsTheSliceOfTheWholeLoad) {
   SCOPED_TRACE(::testing::Message() << "seed=" << seed_);
   const MoeLayer layer = random_layer(64, 256, 4, 2, 512);
   const std::string dir = write("clean", layer, nullptr);
-  const auto [ckpt, config] = open(dir);
+  // Named, not a structured binding: lambdas below capture them (clang 14 cannot capture bindings).
+  const auto opened = open(dir);
+  const Checkpoint& ckpt = opened.first;
+  const ModelConfig& config = opened.second;
   const MoeLayer whole = load_moe_layer(ckpt, config, kLayer);
   for (int R : {1, 2, 4}) {
     for (int r = 0; r < R; ++r) {
@@ -495,7 +498,9 @@ TEST_F(TpLoad, RankReadsOnlyItsSlice) {
     return row >= slice;
   }};
   const auto [clean_ckpt, clean_config] = open(write("clean", layer, nullptr));
-  const auto [ckpt, config] = open(write("poisoned", layer, &outside_rank0));
+  const auto opened = open(write("poisoned", layer, &outside_rank0));
+  const Checkpoint& ckpt = opened.first;
+  const ModelConfig& config = opened.second;
 
   EXPECT_MEGAMOE_ERROR(load_moe_layer(ckpt, config, kLayer), kInvalidCheckpoint,
                        "has block scale 0x7F at row 64, block 0", "NaN");
@@ -519,7 +524,9 @@ TEST_F(TpLoad, RankReadsOnlyItsSlice) {
   Poison down_rank2{[&](const std::string& prefix, int64_t row, int64_t block) {
     return prefix.ends_with("experts.3.down_proj") && row == 17 && block == 2 * (I / R / 16) + 1;
   }};
-  const auto [ckpt2, config2] = open(write("down", layer, &down_rank2));
+  const auto opened2 = open(write("down", layer, &down_rank2));
+  const Checkpoint& ckpt2 = opened2.first;
+  const ModelConfig& config2 = opened2.second;
   for (int r = 0; r < R; ++r) {
     if (r == 2) {
       EXPECT_MEGAMOE_ERROR(load_moe_layer_tp(ckpt2, config2, kLayer, TpConfig{R, r}),
