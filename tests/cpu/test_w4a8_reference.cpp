@@ -823,7 +823,10 @@ TEST(W4a8Reference, RandomLayersMatchNaiveBitwiseAndStayNearW4a16) {
       EXPECT_EQ(mismatches, 0);
     }
     // Against the exact W4A16 output: close, not equal. The bound is loose on purpose: these
-    // layers use every scale byte, so many products fall into e4m3's subnormals. Only without
+    // layers use every scale byte, so many products fall into e4m3's subnormals, and 6 tokens are
+    // a small sample (over 300 seeds: median 0.06, 99th percentile 0.10, largest 0.11; a 0.1
+    // bound failed CI once). A scale applied twice, to the wrong projection or with the wrong
+    // sign gives an error of order 1. Only without
     // the clamp: this small limit keeps mostly the a = silu(g)·u whose g is near 0, which on
     // these layers (|g| in the hundreds) is where any perturbation of g shows most.
     if (clamp) continue;
@@ -832,7 +835,7 @@ TEST(W4a8Reference, RandomLayersMatchNaiveBitwiseAndStayNearW4a16) {
     const double err = rel_l2(w4a8, w4a16);
     std::printf("[ random layer ] W4A8 vs W4A16 rel L2 %.3g\n", err);
     EXPECT_GT(err, 1e-4);
-    EXPECT_LT(err, 0.1);
+    EXPECT_LT(err, 0.3);
   }
 }
 
