@@ -227,9 +227,14 @@ void check_partials_sum_to_whole(const MoeLayer& layer, const std::vector<uint16
       }
       num += diff * diff;
       den += double(whole32[i]) * whole32[i];
+      // Where the partials cancel (the output far below their magnitudes), bf16 ulps are tiny and
+      // the fp32 difference allowed above spans many of them: there the rounded outputs must
+      // agree within one bf16 ulp of the partials' magnitude instead (docs/design.md §7.1).
       const int32_t ulps = std::abs(bf16_order(sum16[i]) - bf16_order(whole16[i]));
+      const double rounded_diff = std::fabs(double(bf16_to_f32(sum16[i])) - double(bf16_to_f32(whole16[i])));
+      const bool cancelled = rounded_diff <= std::ldexp(abs_partials, -8);
       one_ulp += ulps == 1;
-      more += ulps > 1;
+      more += ulps > 1 && !cancelled;
     }
     const double rel_l2 = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
     *worst_rel_l2 = std::max(*worst_rel_l2, rel_l2);
