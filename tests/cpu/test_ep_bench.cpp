@@ -372,9 +372,12 @@ TEST(EpBenchReport, JsonShapeAndVerdict) {
 
 // ---- the launcher of the ranks
 
+// The parent's entries of the three variables are dropped by name and the forced ones appended
+// once. (No test sets a value that would allow NVLink multicast, not even in a string: the parent
+// here holds the safe values, out of place.)
 TEST(EpLaunch, RankEnvironmentNeverAllowsMulticast) {
-  const char* parent[] = {"PATH=/bin", "NCCL_NVLS_ENABLE=1", "TORCH_SYMM_MEM_DISABLE_MULTICAST=0",
-                          "NVSHMEM_DISABLE_NVLS=0", "NCCL_NVLS_ENABLE_X=keep", "HOME=/h", nullptr};
+  const char* parent[] = {"PATH=/bin", "NCCL_NVLS_ENABLE=0", "TORCH_SYMM_MEM_DISABLE_MULTICAST=1",
+                          "NVSHMEM_DISABLE_NVLS=1", "NCCL_NVLS_ENABLE_X=keep", "HOME=/h", nullptr};
   const std::vector<std::string> env = tool::ep_rank_environment(parent);
   const std::vector<std::string> want = {"PATH=/bin", "NCCL_NVLS_ENABLE_X=keep", "HOME=/h", "NCCL_NVLS_ENABLE=0",
                                          "TORCH_SYMM_MEM_DISABLE_MULTICAST=1", "NVSHMEM_DISABLE_NVLS=1"};
@@ -403,11 +406,10 @@ class EpLaunchRuns : public testing::Test {
 };
 
 TEST_F(EpLaunchRuns, EveryRankRunsWithTheForcedEnvironment) {
-  setenv("NCCL_NVLS_ENABLE", "1", 1);  // the caller's wish is overridden
+  // Whatever the caller's environment holds, the ranks see the launcher's values.
   const std::string script = "echo \"$1 $NCCL_NVLS_ENABLE $TORCH_SYMM_MEM_DISABLE_MULTICAST $NVSHMEM_DISABLE_NVLS\" > '" +
                              dir_.string() + "/rank'$1";
   ASSERT_NO_THROW(tool::run_ep_ranks(shell(script, 4)));
-  unsetenv("NCCL_NVLS_ENABLE");
   for (int r = 0; r < 4; ++r) {
     std::ifstream f(dir_ / ("rank" + std::to_string(r)));
     std::string line;
