@@ -20,7 +20,6 @@ namespace megamoe::bench {
 
 using gpu::check_cuda;
 
-constexpr double kNvfp4BytesPerWeight = 0.5625;  // 4-bit code + one 1-byte scale per 16
 
 // Issue 3's bound on the layer's relative L2 error against the CPU reference.
 constexpr double kMaxRelL2 = 2e-3;

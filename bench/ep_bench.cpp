@@ -28,6 +28,7 @@
 #include "megamoe/checkpoint.h"
 #include "megamoe/dtype.h"
 #include "megamoe/ep.h"
+#include "megamoe/format.h"
 #include "megamoe/gpu.h"
 #include "megamoe/reference.h"
 #include "megamoe/runtime.h"
@@ -520,7 +521,7 @@ void run_ep_bench_rank(const EpRankSetup& setup, int rank) {
   SingleGpuBaseline single;
   const int64_t single_max_t = R * max_t;
   if (opt.baselines && rank == 0) {
-    single.bytes_needed = kNvfp4BytesPerWeight * 3.0 * static_cast<double>(H) *
+    single.bytes_needed = format::kNvfp4BytesPerWeight * 3.0 * static_cast<double>(H) *
                               (static_cast<double>(E) * shape.intermediate + shape.shared_intermediate) +
                           static_cast<double>(single_max_t) * (4.0 * H + 8.0 * k);
     size_t free_bytes = 0, total = 0;

@@ -6,13 +6,12 @@
 #include <cstdio>
 #include <set>
 
+#include "megamoe/format.h"
 #include "megamoe/status.h"
 
 namespace megamoe::bench {
 
 namespace {
-
-constexpr double kNvfp4Bytes = 0.5625;  // per weight: 4-bit code + a 1-byte scale per 16
 
 // The expert count and top-k a synthesized layer gets (synth.cpp's routing_for caps top_k at the
 // experts there are; a grouped router may cap it further, which the rank's layer then checks).
@@ -233,7 +232,7 @@ std::vector<EpRankTraffic> ep_traffic(const EpShape& shape, const std::vector<st
 EpFloor ep_rank_floor(const EpShape& shape, const EpRankTraffic& traffic, const EpRates& rates) {
   EpFloor f;
   const double H = static_cast<double>(shape.hidden);
-  f.weight_bytes = kNvfp4Bytes * 3.0 * H *
+  f.weight_bytes = format::kNvfp4BytesPerWeight * 3.0 * H *
                    (static_cast<double>(traffic.active_local_experts) * shape.intermediate + shape.shared_intermediate);
   f.flops = 2.0 * 3.0 * H *
             (static_cast<double>(traffic.received_selections) * shape.intermediate +
@@ -272,7 +271,7 @@ EpWeightEstimate ep_weight_estimate(const ModelPreset& p, int world) {
   e.world = world;
   e.moe_layers = preset_moe_layers(p.name);
   e.routed_experts_per_gpu = p.num_experts / world;
-  const double expert = kNvfp4Bytes * 3.0 * static_cast<double>(p.hidden_size) * static_cast<double>(p.intermediate_size);
+  const double expert = format::kNvfp4BytesPerWeight * 3.0 * static_cast<double>(p.hidden_size) * static_cast<double>(p.intermediate_size);
   const double shared = expert * p.n_shared_experts;  // the shared expert is n_shared_experts * I wide
   e.bytes_per_layer = static_cast<double>(e.routed_experts_per_gpu) * expert + shared;
   e.bytes_per_gpu = e.bytes_per_layer * static_cast<double>(e.moe_layers);

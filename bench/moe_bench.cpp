@@ -22,6 +22,7 @@
 #include "bench/sm_clock.h"
 #include "megamoe/checkpoint.h"
 #include "megamoe/dtype.h"
+#include "megamoe/format.h"
 #include "megamoe/gpu.h"
 #include "megamoe/presets.h"
 #include "megamoe/reference.h"
@@ -296,7 +297,7 @@ int run_bench(const BenchOptions& opt) {
     const auto x = random_hidden(rng, T, H);
     const auto topk = uniform_topk(rng, T, E, k);
     const int64_t active = int64_t(std::set<int32_t>(topk.ids.begin(), topk.ids.end()).size());
-    const double weights_bytes = kNvfp4BytesPerWeight * 3.0 * H * (double(active) * I + double(shared_I));
+    const double weights_bytes = format::kNvfp4BytesPerWeight * 3.0 * H * (double(active) * I + double(shared_I));
     const double flops = 2.0 * 3.0 * H * double(T) * (double(k) * I + double(shared_I));
     const double floor_us = std::max(weights_bytes / (copy_tbps * 1e12), flops / (mma_tflops * 1e12)) * 1e6;
     DeviceBuffer<uint16_t> dx(x.size()), dout(x.size());

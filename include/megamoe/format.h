@@ -20,6 +20,9 @@ namespace megamoe::format {
 
 inline constexpr int kNvfp4BlockSize = 16;  // elements per ue4m3 scale, along K
 inline constexpr int kMxfp4BlockSize = 32;  // elements per ue8m0 scale, along K
+// Bytes an NVFP4 weight takes in memory: its 4-bit code and its share of the block's scale byte
+// (the per-tensor fp32 global scale aside). 0.5625.
+inline constexpr double kNvfp4BytesPerWeight = 0.5 + 1.0 / kNvfp4BlockSize;
 inline constexpr float kE2m1Max = 6.0f;
 inline constexpr float kE4m3Max = 448.0f;
 // ModelOpt's global-scale divisor: 6 (e2m1 max) * 448 (e4m3 max).
