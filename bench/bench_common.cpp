@@ -10,11 +10,11 @@
 
 #include "megamoe/dtype.h"
 #include "megamoe/status.h"
-#include "tools/common/device_buffer.h"
+#include "support/device_buffer.h"
 
 namespace megamoe::bench {
 
-using tools::DeviceBuffer;
+using support::DeviceBuffer;
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());

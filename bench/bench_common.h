@@ -14,7 +14,7 @@
 #include "bench/l2_flush.h"
 #include "megamoe/moe.h"
 #include "megamoe/reference.h"
-#include "runtime/cuda_check.h"
+#include "megamoe/gpu.h"
 
 namespace megamoe::bench {
 

@@ -5,7 +5,7 @@
 
 #include <algorithm>
 
-#include "runtime/cuda_check.h"
+#include "megamoe/gpu.h"
 
 namespace megamoe::bench {
 namespace {

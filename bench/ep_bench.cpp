@@ -33,13 +33,12 @@
 #include "megamoe/reference.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
-#include "runtime/cuda_check.h"
-#include "tools/common/device_buffer.h"
+#include "support/device_buffer.h"
 
 namespace megamoe::bench {
 namespace {
 
-using tools::DeviceBuffer;
+using support::DeviceBuffer;
 static_assert(kEpMaxRelL2 == kMaxRelL2, "the EP benchmark checks with the single-GPU benchmark's bound");
 
 void check_nccl(ncclResult_t r, const char* what) {

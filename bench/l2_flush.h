@@ -19,7 +19,7 @@
 #include <string>
 
 #include "megamoe/gpu.h"
-#include "tools/common/device_buffer.h"
+#include "support/device_buffer.h"
 
 namespace megamoe::bench {
 
@@ -38,9 +38,9 @@ class L2Flush {
 
  private:
   L2FlushMode mode_;
-  tools::DeviceBuffer<uint8_t> written_;  // memset by both modes
-  tools::DeviceBuffer<uint8_t> read_;     // read by the clean mode (all zero bytes)
-  tools::DeviceBuffer<uint32_t> sink_;    // keeps the clean flush's loads alive
+  support::DeviceBuffer<uint8_t> written_;  // memset by both modes
+  support::DeviceBuffer<uint8_t> read_;     // read by the clean mode (all zero bytes)
+  support::DeviceBuffer<uint32_t> sink_;    // keeps the clean flush's loads alive
 };
 
 }  // namespace megamoe::bench

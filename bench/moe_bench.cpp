@@ -28,14 +28,13 @@
 #include "megamoe/reference.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
-#include "runtime/cuda_check.h"
 #include "runtime/sm90_moe_heuristics.h"
-#include "tools/common/device_buffer.h"
+#include "support/device_buffer.h"
 
 namespace megamoe::bench {
 namespace {
 
-using tools::DeviceBuffer;
+using support::DeviceBuffer;
 
 // The parts of a run that draw random inputs. Each draws from its own generator, seeded by
 // (seed, part, T) alone, so a timed point's tokens and routing are the same whatever else the run

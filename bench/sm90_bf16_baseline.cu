@@ -8,7 +8,6 @@
 
 #include "megamoe/gpu.h"
 #include "megamoe/status.h"
-#include "runtime/cuda_check.h"
 
 namespace megamoe::bench {
 namespace {

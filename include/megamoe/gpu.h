@@ -8,6 +8,10 @@
 
 namespace megamoe::gpu {
 
+// Throws megamoe::Error(kCuda) naming `what` and the CUDA error when `err` is not cudaSuccess;
+// the library's own check, for callers that want the same errors from their CUDA calls.
+void check_cuda(cudaError_t err, const char* what);
+
 // Number of usable CUDA devices (0 when there is no GPU or no driver; never throws).
 int device_count();
 

@@ -27,7 +27,6 @@
 #include <span>
 #include <vector>
 
-#include "megamoe/checkpoint.h"
 #include "megamoe/moe.h"
 
 namespace megamoe {
@@ -73,17 +72,5 @@ TpRange tp_range(int64_t size, const TpConfig& tp, const char* what = "intermedi
 // Throws megamoe::Error(kInvalidArgument): an invalid layer (MoeLayer::validate) or tp_range's
 // errors for I or the shared expert's Is.
 MoeLayer tp_local_layer(const MoeLayer& layer, const TpConfig& tp);
-
-// load_moe_layer for one TP rank: the same checks, but only the rank's slice of each expert's
-// block scales is read and checked (gate/up: its rows; down: its columns of every row), and only
-// the slice's code bytes are ever touched, so a rank reads its share of the checkpoint, not the
-// whole layer (page granularity: down's slice is a strided part of every row, so the pages of
-// down are all touched where a row's I/2 code bytes are shorter than a page). Scale bytes outside
-// the slice are not read, so a bad byte there is not reported. One exception: a tensor whose
-// global scale is 0 is checked whole against ModelOpt's all-zero signature (rare; it reads that
-// tensor). Returns what tp_local_layer(load_moe_layer(...), tp) returns for a valid checkpoint.
-// Throws what load_moe_layer throws, and tp_range's errors before anything is read.
-MoeLayer load_moe_layer_tp(const Checkpoint& ckpt, const ModelConfig& config, int64_t layer,
-                           const TpConfig& tp);
 
 }  // namespace megamoe

@@ -27,7 +27,6 @@
 #include "megamoe/gpu.h"
 #include "megamoe/precision.h"
 #include "megamoe/runtime.h"
-#include "runtime/cuda_check.h"
 #include "torch_utils.h"
 
 namespace megamoe::torch_ext {

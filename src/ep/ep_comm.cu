@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "megamoe/status.h"
-#include "runtime/cuda_check.h"
+#include "megamoe/gpu.h"
 
 namespace megamoe {
 

@@ -11,7 +11,7 @@
 #include "megamoe/ep.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
-#include "runtime/cuda_check.h"
+#include "megamoe/gpu.h"
 
 namespace megamoe {
 

@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <cstddef>
 
-#include "runtime/cuda_check.h"
+#include "megamoe/gpu.h"
 
 namespace megamoe::runtime {
 

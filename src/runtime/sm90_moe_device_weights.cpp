@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "megamoe/runtime.h"
-#include "runtime/cuda_check.h"
+#include "megamoe/gpu.h"
 #include "runtime/sm90_moe_device_weights.h"
 #include "runtime/sm90_moe_workspace.h"
 #include "runtime/sm90_w4a16_prepack.h"

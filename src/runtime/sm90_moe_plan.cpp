@@ -7,7 +7,7 @@
 #include "kernels/sm90/sm90_moe_dispatch_limits.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
-#include "runtime/cuda_check.h"
+#include "megamoe/gpu.h"
 #include "runtime/sm90_moe_heuristics.h"
 #include "runtime/sm90_moe_workspace.h"
 

@@ -12,7 +12,7 @@
 #include "kernels/sm90/sm90_w4a16_params.cuh"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
-#include "runtime/cuda_check.h"
+#include "megamoe/gpu.h"
 #include "runtime/sm90_launch_util.h"
 #include "runtime/sm90_moe_device_weights.h"
 #include "runtime/sm90_moe_heuristics.h"

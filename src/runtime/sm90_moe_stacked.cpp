@@ -15,7 +15,6 @@
 #include "megamoe/gpu.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
-#include "runtime/cuda_check.h"
 
 namespace megamoe {
 namespace {

@@ -2,7 +2,6 @@
 #include "kernels/sm90/sm90_nvfp4_dequant.cuh"
 #include "megamoe/gpu.h"
 #include "megamoe/status.h"
-#include "runtime/cuda_check.h"
 
 namespace megamoe::gpu {
 

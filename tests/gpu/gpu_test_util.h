@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "megamoe/gpu.h"
-#include "tools/common/device_buffer.h"
+#include "support/device_buffer.h"
 
 #define MEGAMOE_REQUIRE_GPU()                                                       \
   do {                                                                              \
@@ -21,6 +21,6 @@
 
 namespace megamoe::testing {
 
-using tools::DeviceBuffer;
+using support::DeviceBuffer;
 
 }  // namespace megamoe::testing

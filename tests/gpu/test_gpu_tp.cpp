@@ -17,7 +17,7 @@
 #include "megamoe/runtime.h"
 #include "megamoe/tp.h"
 #include "moe_test_util.h"
-#include "runtime/cuda_check.h"
+#include "megamoe/gpu.h"
 
 namespace megamoe {
 namespace {

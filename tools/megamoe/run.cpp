@@ -25,8 +25,7 @@
 #include "megamoe/gpu.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
-#include "runtime/cuda_check.h"
-#include "tools/common/device_buffer.h"
+#include "support/device_buffer.h"
 #include "tools/megamoe/ep_launch.h"
 
 namespace megamoe::tool {
@@ -80,10 +79,10 @@ void run_ep_rank(const RunArgs& args) {
     using T = typename std::decay_t<decltype(v)>::value_type;
     return std::vector<T>(v.begin() + first * width, v.begin() + end * width);
   };
-  const tools::DeviceBuffer<uint16_t> hidden(slice(job.hidden, H));
-  const tools::DeviceBuffer<int32_t> ids(slice(job.topk.ids, k));
-  const tools::DeviceBuffer<float> weights(slice(job.topk.weights, k));
-  tools::DeviceBuffer<uint16_t> out(static_cast<size_t>(t_r * H));
+  const support::DeviceBuffer<uint16_t> hidden(slice(job.hidden, H));
+  const support::DeviceBuffer<int32_t> ids(slice(job.topk.ids, k));
+  const support::DeviceBuffer<float> weights(slice(job.topk.weights, k));
+  support::DeviceBuffer<uint16_t> out(static_cast<size_t>(t_r * H));
   out.poison();
   MoeRunArgs run_args;
   run_args.hidden = hidden.get();
@@ -180,11 +179,11 @@ void run_gpu(const RunArgs& args) {
   problem.precision = args.precision;
   const MoePlan plan = MoePlan::create(problem);
   const MoeDeviceWeights weights = MoeDeviceWeights::upload(job.layer);
-  const tools::DeviceBuffer<uint8_t> workspace(plan.workspace_bytes());
-  const tools::DeviceBuffer<uint16_t> hidden(job.hidden);
-  const tools::DeviceBuffer<int32_t> ids(job.topk.ids);
-  const tools::DeviceBuffer<float> topk_weights(job.topk.weights);
-  const tools::DeviceBuffer<uint16_t> out(static_cast<size_t>(T * H));
+  const support::DeviceBuffer<uint8_t> workspace(plan.workspace_bytes());
+  const support::DeviceBuffer<uint16_t> hidden(job.hidden);
+  const support::DeviceBuffer<int32_t> ids(job.topk.ids);
+  const support::DeviceBuffer<float> topk_weights(job.topk.weights);
+  const support::DeviceBuffer<uint16_t> out(static_cast<size_t>(T * H));
 
   MoeRunArgs run_args;
   run_args.hidden = hidden.get();

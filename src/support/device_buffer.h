@@ -1,5 +1,5 @@
-// An owned device buffer with blocking host copies, for the tool, the benchmark and the tests
-// (the library's run() takes caller-owned pointers and never allocates).
+// An owned device buffer with blocking host copies, for the tool, the benchmark and the tests: a
+// support header of theirs, not part of the library (run() takes caller-owned pointers, never allocates).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,9 +8,9 @@
 #include <vector>
 
 #include "megamoe/status.h"
-#include "runtime/cuda_check.h"
+#include "megamoe/gpu.h"
 
-namespace megamoe::tools {
+namespace megamoe::support {
 
 // An owned device allocation of `count` elements of T (none when count is 0), with blocking
 // copies to and from host vectors of exactly that size.
@@ -52,4 +52,4 @@ class DeviceBuffer {
   size_t count_ = 0;
 };
 
-}  // namespace megamoe::tools
+}  // namespace megamoe::support

@@ -1,4 +1,4 @@
-#include "runtime/cuda_check.h"
+#include "megamoe/gpu.h"
 
 #include "megamoe/status.h"
 
