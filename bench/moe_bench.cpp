@@ -28,7 +28,6 @@
 #include "megamoe/reference.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
-#include "runtime/sm90_moe_heuristics.h"
 #include "support/device_buffer.h"
 
 namespace megamoe::bench {
@@ -149,13 +148,13 @@ int run_bench(const BenchOptions& opt) {
   tuning.early_start = opt.early_start;
   tuning.absorbing_tile = opt.absorbing_tile;
   const MoePlan plan = MoePlan::create(problem, tuning);
-  // An override that cannot run at some T (MoeTuning: moe_config(plan, T) throws) skips that timed
+  // An override that cannot run at some T (MoeTuning: MoePlan::describe(T) throws) skips that timed
   // point with its reason instead of ending the run; the untimed checks (accuracy line, cosine) run
   // on the heuristic's own plan there.
   const MoePlan heuristic_plan = MoePlan::create(problem);
   auto tuning_error = [&](int64_t T) -> std::string {
     try {
-      (void)moe_config(plan, T);
+      (void)plan.describe(T);
       return {};
     } catch (const Error& e) {
       if (e.code() != ErrorCode::kInvalidArgument) throw;  // not an override it rejects: a real failure

@@ -1,7 +1,6 @@
-// The GPU MoE operator (Hopper, W4A16; no W4A8 kernel yet, see MoeProblem::precision): build a
-// plan once, upload the weights once, then run() any number of times. run() never allocates,
-// never synchronises the host and is CUDA-graph capturable; every buffer it touches is sized by
-// the plan for `max_tokens`.
+// The GPU MoE operator: build a plan once, upload the weights once, then run() any number of
+// times. run() never allocates, never synchronises the host and is CUDA-graph capturable; every
+// buffer it touches is sized by the plan for `max_tokens`.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,11 +8,18 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "megamoe/moe.h"
 #include "megamoe/precision.h"
 
 namespace megamoe {
+
+namespace runtime {
+class MoeBackend;
+struct PlanAccess;
+struct DeviceWeightsAccess;
+}  // namespace runtime
 
 // The shape of the problem (what the plan validates and sizes the workspace for).
 struct MoeProblem {
@@ -25,10 +31,9 @@ struct MoeProblem {
   int64_t max_tokens = 0;                // largest T any run() may pass
   std::optional<float> swiglu_limit;     // clamp gate <= L, |up| <= L before SwiGLU
   bool deterministic = false;            // fixed-order combine: bitwise identical runs
-  // The GEMMs' arithmetic. kW4a16 is the exact path. kW4a8 has no GPU kernel in this build yet:
-  // MoePlan::create rejects it (kUnsupported; its exact CPU emulation is
-  // reference::moe_forward_w4a8). kAuto is resolved per T by the heuristic, which picks kW4a16
-  // at every T until the W4A8 kernel exists; MoePlan::describe and resolved_precision show it.
+  // The GEMMs' arithmetic (precision.h). MoePlan::create picks the kernels for it on the current
+  // device and rejects a precision this build has none for; kAuto is resolved per T
+  // (MoePlan::resolved_precision).
   Precision precision = Precision::kW4a16;
 
   static MoeProblem from_layer(const MoeLayer& layer, int64_t max_tokens);
@@ -98,7 +103,7 @@ class MoeDeviceWeights {
 
  private:
   struct Impl;
-  friend struct DeviceWeightsAccess;  // the runtime's view of the prepacked tensors
+  friend struct runtime::DeviceWeightsAccess;  // the runtime's view of the device tensors
   MoeDeviceWeights();
   std::unique_ptr<Impl> impl_;
 };
@@ -117,16 +122,16 @@ struct MoeRunArgs {
 
 class MoePlan {
  public:
-  // Validates the problem against what the sm90 kernels support and the current device.
-  // Throws megamoe::Error(kUnsupported / kInvalidArgument) saying what is allowed; kUnsupported
-  // for precision kW4a8, which has no GPU kernel in this build yet.
+  // Validates the problem and chooses the kernels for it on the current device. Throws
+  // megamoe::Error(kUnsupported / kInvalidArgument) saying what is allowed: kUnsupported where
+  // this build has no kernels for the device or the precision (the message lists what it has).
   static MoePlan create(const MoeProblem& problem, const MoeTuning& tuning = {});
   const MoeProblem& problem() const { return problem_; }
   const MoeTuning& tuning() const { return tuning_; }
   size_t workspace_bytes() const;
   int num_sms() const { return num_sms_; }
-  // The configuration run() will use for T tokens, as text (precision, tiles of both GEMMs, fused
-  // launch, early start; "w4a16 (auto)" where kAuto resolved to W4A16). Throws
+  // The configuration run() will use for T tokens, as text: the precision ("w4a16 (auto)" where
+  // kAuto chose it), the kernels' configuration, the combine. Throws
   // megamoe::Error(kInvalidArgument) when a MoeTuning override cannot run at this T.
   std::string describe(int64_t tokens) const;
   // The precision run() uses for T tokens: the problem's, or what kAuto resolves to at this T.
@@ -136,9 +141,12 @@ class MoePlan {
   int64_t invalid_id_count(const void* workspace, cudaStream_t stream) const;
 
  private:
+  friend struct runtime::PlanAccess;
   MoeProblem problem_;
   MoeTuning tuning_;
   int num_sms_ = 0;
+  // The backend rows run() may use, chosen at create(): one, or kAuto's in the order it asks them.
+  std::vector<const runtime::MoeBackend*> backends_;
 };
 
 // Runs the MoE layer. Checks arguments on the host (shapes, null pointers, alignment) without

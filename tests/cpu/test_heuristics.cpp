@@ -1,4 +1,4 @@
-// The configuration heuristic (src/runtime/sm90_moe_heuristics.cpp) is a pure function of the
+// The configuration heuristic (src/backends/sm90_w4a16/sm90_w4a16_heuristics.cpp) is a pure function of the
 // problem and the token count: these pin the measured tile choices, so a change to them is
 // deliberate (and re-measured, docs/perf).
 #include <gtest/gtest.h>
@@ -9,12 +9,16 @@
 #include "error_matchers.h"
 #include "megamoe/presets.h"
 #include "megamoe/runtime.h"
-#include "runtime/sm90_moe_heuristics.h"
-#include "runtime/sm90_moe_workspace.h"
-#include "runtime/sm90_w4a16_tiles.h"
+#include "backends/sm90_w4a16/sm90_w4a16_heuristics.h"
+#include "runtime/sm90/sm90_moe_workspace.h"
+#include "backends/sm90_w4a16/sm90_w4a16_tiles.h"
+#include "runtime/backend.h"
 
 namespace megamoe {
 namespace {
+
+MoeTuning fused(bool on) { return MoeTuning{on, std::nullopt, std::nullopt}; }
+MoeTuning absorbing(bool on) { return MoeTuning{std::nullopt, std::nullopt, on}; }
 
 // The problem of a model preset (megamoe/presets.h, the shapes of docs/design.md §4).
 MoeProblem preset_problem(const std::string& name) {
@@ -53,8 +57,8 @@ TEST(Heuristics, TokenTileFollowsTokensPerExpert) {
 TEST(Heuristics, OverlappedPrefillTileForManyTokensPerExpert) {
   const MoeProblem dsv3 = deepseek_v3(), qwen3 = qwen3_30b();
   // (From 256 per expert the absorbing tile runs where the shape allows it: without it.)
-  for (const MoeConfig& c : {choose_moe_config(qwen3, 4096, 132, std::nullopt, false),
-                             choose_moe_config(qwen3, 16384, 132, std::nullopt, false)}) {
+  for (const MoeConfig& c : {tuned_moe_config(qwen3, 4096, 132, absorbing(false)),
+                             tuned_moe_config(qwen3, 16384, 132, absorbing(false))}) {
     EXPECT_TRUE(c.l1.overlapped) << c.to_string();
     EXPECT_TRUE(c.l2.overlapped) << c.to_string();
     EXPECT_EQ(c.l1.warpgroups, 2) << c.to_string();
@@ -106,14 +110,14 @@ TEST(Heuristics, AbsorbingTileWhereRemaindersAreShort) {
 // two launches, no early start and the heuristic's L2 K slices.
 TEST(Heuristics, AbsorbingTileOverride) {
   const MoeProblem p = deepseek_v3();
-  const MoeConfig off4096 = choose_moe_config(p, 4096, 132, std::nullopt, false);
+  const MoeConfig off4096 = tuned_moe_config(p, 4096, 132, absorbing(false));
   EXPECT_EQ(off4096.l1.block_n, 128);
   EXPECT_FALSE(off4096.l1.overlapped);
-  const MoeConfig off16384 = choose_moe_config(p, 16384, 132, std::nullopt, false);
+  const MoeConfig off16384 = tuned_moe_config(p, 16384, 132, absorbing(false));
   EXPECT_EQ(off16384.l1.block_n, 128);
   EXPECT_TRUE(off16384.l1.overlapped);
   EXPECT_TRUE(off16384.l2.overlapped);
-  const MoeConfig on1 = choose_moe_config(p, 1, 132, std::nullopt, true);
+  const MoeConfig on1 = tuned_moe_config(p, 1, 132, absorbing(true));
   EXPECT_EQ(on1.l1.block_n, kAbsorbingTile.block_n);
   EXPECT_EQ(on1.l2.block_n, kAbsorbingTile.block_n);
   EXPECT_EQ(on1.l2.k_splits, choose_moe_config(p, 1).l2.k_splits);
@@ -121,7 +125,7 @@ TEST(Heuristics, AbsorbingTileOverride) {
   EXPECT_FALSE(on1.early_start);
   MoeProblem odd = p;
   odd.hidden_size = 7168 + 64;
-  EXPECT_EQ(choose_moe_config(odd, 1, 132, std::nullopt, true).l1.block_n,
+  EXPECT_EQ(tuned_moe_config(odd, 1, 132, absorbing(true)).l1.block_n,
             choose_moe_config(odd, 1).l1.block_n);  // cannot absorb: moe_config rejects it
 }
 
@@ -169,17 +173,17 @@ TEST(Heuristics, DecodeFusesTheGemmsWhenL1EndsInAPartialWave) {
   EXPECT_EQ(choose_moe_config(qwen3, 384, sms).l1.block_n, 32);
   EXPECT_FALSE(choose_moe_config(dsv3, 256, sms).fused);  // 32-token tile, 26 waves
   EXPECT_EQ(choose_moe_config(dsv3, 256, sms).l1.block_n, 32);
-  const MoeConfig forced = choose_moe_config(qwen3, 256, sms, /*fused=*/true);  // MoeTuning::fused
+  const MoeConfig forced = tuned_moe_config(qwen3, 256, sms, fused(true));  // MoeTuning::fused
   EXPECT_TRUE(forced.fused);
   EXPECT_EQ(forced.l1.block_n, 16);  // a forced fused launch keeps the 16-token tile up to 16 per expert
-  const MoeConfig forced32 = choose_moe_config(qwen3, 384, sms, /*fused=*/true);  // 24 per expert
+  const MoeConfig forced32 = tuned_moe_config(qwen3, 384, sms, fused(true));  // 24 per expert
   EXPECT_TRUE(forced32.fused);
   EXPECT_EQ(forced32.l1.block_n, 32);
-  EXPECT_FALSE(choose_moe_config(qwen3, 256, sms, /*fused=*/false).fused);
-  EXPECT_EQ(choose_moe_config(qwen3, 256, sms, /*fused=*/false).l1.block_n, 32);
-  EXPECT_EQ(choose_moe_config(qwen3, 192, sms, /*fused=*/false).l1.block_n, 32);
-  EXPECT_FALSE(choose_moe_config(qwen3, 1024, sms, /*fused=*/true).fused);  // no fused 128-token kernel
-  EXPECT_FALSE(choose_moe_config(qwen3, 448, sms, /*fused=*/true).fused);   // nor a fused 48-token one
+  EXPECT_FALSE(tuned_moe_config(qwen3, 256, sms, fused(false)).fused);
+  EXPECT_EQ(tuned_moe_config(qwen3, 256, sms, fused(false)).l1.block_n, 32);
+  EXPECT_EQ(tuned_moe_config(qwen3, 192, sms, fused(false)).l1.block_n, 32);
+  EXPECT_FALSE(tuned_moe_config(qwen3, 1024, sms, fused(true)).fused);  // no fused 128-token kernel
+  EXPECT_FALSE(tuned_moe_config(qwen3, 448, sms, fused(true)).fused);   // nor a fused 48-token one
   EXPECT_FALSE(choose_moe_config(qwen3, 1024, sms).fused);  // 48-token tile: no fused kernel
   EXPECT_FALSE(choose_moe_config(dsv3, 4096, sms).fused);
   // Fewer SMs: the same items make more waves.
@@ -226,7 +230,7 @@ TEST(Heuristics, OddTileCountsAvoidTheTwoWarpgroupTile) {
   EXPECT_EQ(c.l1.warpgroups, 2);
 }
 
-// The tile table (src/runtime/sm90_w4a16_tiles.h) is the launch whitelist: whatever the heuristic
+// The tile table (src/backends/sm90_w4a16/sm90_w4a16_tiles.h) is the launch whitelist: whatever the heuristic
 // picks, for every preset, T and override, must be one of its entries (a choice outside it fails
 // only at run time, on the GPU, as "no kernel instantiated").
 TEST(TileTable, EveryHeuristicChoiceIsAnEntry) {
@@ -238,7 +242,7 @@ TEST(TileTable, EveryHeuristicChoiceIsAnEntry) {
                       8192, 16384}) {
       for (const std::optional<bool> fused : options) {
         for (const std::optional<bool> absorbing : options) {
-          const MoeConfig c = choose_moe_config(p, T, 132, fused, absorbing);
+          const MoeConfig c = tuned_moe_config(p, T, 132, MoeTuning{fused, std::nullopt, absorbing});
           for (const GemmConfig& g : {c.l1, c.l2}) {
             EXPECT_GE(find_w4a16_tile(g), 0) << m.name << " T=" << T << ": " << c.to_string();
             EXPECT_GE(g.k_splits, 1) << c.to_string();
@@ -255,10 +259,13 @@ TEST(TileTable, EveryHeuristicChoiceIsAnEntry) {
   EXPECT_GT(checked, 0);
 }
 
-// The precision is resolved in one place (resolve_precision). This build has no W4A8 kernel: an
-// explicit w4a8 is refused at plan validation (whatever T) with a message naming the exact path and
-// the CPU emulation, and auto resolves to w4a16 at every T, with the w4a16 tiles.
-TEST(Heuristics, PrecisionResolvesToW4a16UntilAW4a8KernelExists) {
+// The precision is resolved once, at plan time, into backend rows (runtime::resolve_backends).
+// This build's only sm_90 row is w4a16: an explicit w4a8 is refused naming what is built, the exact
+// path and the CPU emulation; auto resolves to the w4a16 row; another architecture is refused.
+TEST(BackendTable, PrecisionResolvesToTheBuiltRows) {
+  ASSERT_NE(runtime::find_backend(90, Precision::kW4a16), nullptr);
+  EXPECT_EQ(runtime::find_backend(90, Precision::kW4a8), nullptr);
+  EXPECT_EQ(runtime::built_backends(), "w4a16/sm_90");
   for (const char* name : {"deepseek-v3", "qwen3-30b-a3b"}) {
     SCOPED_TRACE(name);
     MoeProblem exact = preset_problem(name);
@@ -266,24 +273,47 @@ TEST(Heuristics, PrecisionResolvesToW4a16UntilAW4a8KernelExists) {
     automatic.precision = Precision::kAuto;
     MoeProblem w4a8 = exact;
     w4a8.precision = Precision::kW4a8;
-    EXPECT_NO_THROW(runtime::validate_problem(exact));
-    EXPECT_NO_THROW(runtime::validate_problem(automatic));
-    EXPECT_MEGAMOE_ERROR(runtime::validate_problem(w4a8), kUnsupported, "precision w4a8",
-                         "no W4A8 GPU kernel", "w4a16", "exact path", "megamoe reference --precision w4a8");
-    for (const int64_t T : {0, 1, 17, 128, 1000, 4096, 16384}) {
-      SCOPED_TRACE(T);
-      EXPECT_EQ(resolve_precision(exact, T), Precision::kW4a16);
-      EXPECT_EQ(resolve_precision(automatic, T), Precision::kW4a16);
-      EXPECT_MEGAMOE_ERROR(resolve_precision(w4a8, T), kUnsupported, "w4a8");
-      const MoeConfig a = choose_moe_config(automatic, T), e = choose_moe_config(exact, T);
-      EXPECT_EQ(a.precision, Precision::kW4a16);
-      EXPECT_EQ(e.precision, Precision::kW4a16);
-      EXPECT_EQ(a.to_string(), e.to_string());
+    for (const MoeProblem& p : {exact, automatic}) {
+      const auto rows = runtime::resolve_backends(p, 90);
+      ASSERT_EQ(rows.size(), 1u);
+      EXPECT_EQ(rows[0]->name(), "w4a16/sm_90");
+      for (const int64_t T : {1, 17, 128, 1000, 4096, 16384}) EXPECT_TRUE(rows[0]->auto_accepts(p, T));
     }
+    EXPECT_MEGAMOE_ERROR(runtime::resolve_backends(w4a8, 90), kUnsupported, "precision w4a8",
+                         "no W4A8 GPU kernel", "built: w4a16/sm_90", "exact path",
+                         "megamoe reference --precision w4a8");
+    EXPECT_MEGAMOE_ERROR(runtime::resolve_backends(exact, 80), kUnsupported, "sm_80", "w4a16/sm_90");
   }
   MoeProblem cast = deepseek_v3();
   cast.precision = static_cast<Precision>(7);
-  EXPECT_MEGAMOE_ERROR(runtime::validate_problem(cast), kInvalidArgument, "precision", "7", "kW4a16");
+  EXPECT_MEGAMOE_ERROR(runtime::resolve_backends(cast, 90), kInvalidArgument, "precision", "7", "kW4a16");
+}
+
+// The row's validation is the sm90 pipeline's, after the checks every row shares.
+TEST(BackendTable, RowValidatesTheSm90Limits) {
+  const runtime::MoeBackend& row = *runtime::find_backend(90, Precision::kW4a16);
+  MoeProblem p = deepseek_v3();
+  EXPECT_NO_THROW(row.validate(p));
+  p.hidden_size = 7168 + 32;
+  EXPECT_MEGAMOE_ERROR(row.validate(p), kUnsupported, "hidden_size = 7200", "multiple of 64");
+  p = deepseek_v3();
+  p.top_k = 17;
+  EXPECT_MEGAMOE_ERROR(runtime::resolve_backends(p, 90), kInvalidArgument, "top_k = 17");
+  EXPECT_GT(row.workspace_bytes(deepseek_v3()), 0u);
+}
+
+// The heuristic is pure; MoeTuning's overrides are applied outside it. With no override the tuned
+// path takes the heuristic's every choice.
+TEST(Heuristics, NoOverrideIsTheHeuristic) {
+  for (const ModelPreset& m : model_presets()) {
+    const MoeProblem p = preset_problem(m.name);
+    for (int64_t T : {1, 2, 4, 8, 16, 17, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 4096, 16384}) {
+      for (int sms : {78, 132}) {
+        EXPECT_EQ(tuned_moe_config(p, T, sms, MoeTuning{}).to_string(), choose_moe_config(p, T, sms).to_string())
+            << m.name << " T=" << T << " sms=" << sms;
+      }
+    }
+  }
 }
 
 // The table's entries are distinct tiles with a consistent geometry: the kernels' static_asserts

@@ -1,4 +1,4 @@
-// The sm90 W4A16 prepacked layout (src/kernels/sm90/sm90_w4a16_layout.h): where the prepack puts
+// The sm90 W4A16 prepacked layout (src/backends/sm90_w4a16/sm90_w4a16_layout.h): where the prepack puts
 // each code bit and how the mainloop reads it back must agree, and what it reads back must be
 // the e2m1 value times 2^-126 as a bf16 — for every element position and every code, exactly.
 #include <gtest/gtest.h>
@@ -6,7 +6,7 @@
 #include <cmath>
 #include <set>
 
-#include "kernels/sm90/sm90_w4a16_layout.h"
+#include "backends/sm90_w4a16/sm90_w4a16_layout.h"
 #include "megamoe/dtype.h"
 #include "megamoe/format.h"
 

@@ -10,7 +10,7 @@
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
 #include "moe_test_util.h"
-#include "runtime/sm90_moe_heuristics.h"
+#include "backends/sm90_w4a16/sm90_w4a16_heuristics.h"
 #include "tests/cpu/error_matchers.h"
 
 namespace megamoe {

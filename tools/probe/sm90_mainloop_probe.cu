@@ -27,12 +27,12 @@
 #include <cute/arch/mma_sm90_gmma.hpp>
 
 #include "kernels/common/ptx_wgmma.cuh"
-#include "kernels/sm90/sm90_w4a16_decode.cuh"
-#include "kernels/sm90/sm90_w4a16_mainloop_overlapped.cuh"
-#include "kernels/sm90/sm90_w4a16_mainloop_pipelined.cuh"
-#include "kernels/sm90/sm90_w4a16_params.cuh"
-#include "kernels/sm90/sm90_w4a16_scheduler.cuh"
-#include "kernels/sm90/sm90_w4a16_tile.cuh"
+#include "backends/sm90_w4a16/sm90_w4a16_decode.cuh"
+#include "backends/sm90_w4a16/sm90_w4a16_mainloop_overlapped.cuh"
+#include "backends/sm90_w4a16/sm90_w4a16_mainloop_pipelined.cuh"
+#include "backends/sm90_w4a16/sm90_w4a16_params.cuh"
+#include "backends/sm90_w4a16/sm90_w4a16_scheduler.cuh"
+#include "backends/sm90_w4a16/sm90_w4a16_tile.cuh"
 
 namespace {
 

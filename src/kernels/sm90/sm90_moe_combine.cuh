@@ -8,20 +8,9 @@
 #include <cstdint>
 
 #include "kernels/common/pdl.cuh"
+#include "kernels/sm90/sm90_moe_pipeline_params.cuh"
 
 namespace megamoe::kernels::sm90 {
-
-struct CombineParams {
-  const float* out_acc;        // (T, H) fp32, atomic mode
-  const float* y_slot;         // (S, H) fp32, deterministic mode (nullptr otherwise)
-  const int32_t* token_slot;   // (T, slots_per_token)
-  const float* slot_weight;    // (S)
-  int32_t slots_per_token;
-  int64_t tokens;
-  int64_t hidden;              // H, a multiple of 8
-  __nv_bfloat16* out;          // (T, H), or null when out_f32 is set
-  float* out_f32;              // (T, H) fp32 before rounding, or null
-};
 
 // One thread per 8 consecutive outputs (32-byte fp32 reads, 16-byte bf16 writes).
 __global__ void __launch_bounds__(256) moe_combine_kernel(CombineParams p) {

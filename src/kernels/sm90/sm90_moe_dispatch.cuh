@@ -16,47 +16,10 @@
 
 #include "kernels/common/pdl.cuh"
 #include "kernels/sm90/sm90_moe_dispatch_limits.h"
+#include "kernels/sm90/sm90_moe_pipeline_params.cuh"
 #include "kernels/sm90/sm90_moe_tiny_schedule.cuh"
 
 namespace megamoe::kernels::sm90 {
-
-struct DispatchParams {
-  const int32_t* topk_ids;       // (T, k)
-  const float* topk_weights;     // (T, k)
-  int32_t tokens;                // T
-  int32_t top_k;                 // k
-  int32_t num_experts;           // E routed
-  int32_t shared_chunks;         // virtual shared experts (0 if none)
-  int32_t l1_m_tiles;            // 64-row tiles of W13 per expert
-  int32_t l2_m_tiles;            // 64-row tiles of W2 per expert
-  int32_t l1_block_m_tiles;      // tiles per L1 CTA (warpgroups)
-  int32_t l2_block_m_tiles;
-  int32_t l1_block_n;            // tokens per L1 tile
-  int32_t l2_block_n;
-  int32_t l1_tile_step;          // tokens per tile but an expert's last (expert_token_tiles)
-  int32_t l2_tile_step;
-  int32_t l2_k_splits;           // K slices per L2 tile (L1 never splits K: SwiGLU needs full sums)
-  // outputs (workspace)
-  int32_t* expert_offsets;       // (E' + 1) slot offsets
-  int32_t* l1_tile_offsets;      // (E' + 1) prefix of L1 work items
-  int32_t* l2_tile_offsets;      // (E' + 1)
-  int32_t* slot_token;           // (S) token of each slot
-  float* slot_weight;            // (S) routing weight of each slot (1 for shared slices)
-  int32_t* token_slot;           // (T, k + shared_chunks) slot of each selection, -1 if invalid
-  int32_t* invalid_ids;          // (1) number of ids outside [0, E)
-  // (counter_count) zeroed here before the GEMMs start: their work-item counters, the fused
-  // launch's per-expert L1 progress.
-  int32_t* counters;
-  int32_t counter_count;
-  // One-CTA path with early start: the atomic-combine accumulator (T, H) fp32, zeroed here
-  // (the dispatch is then off the critical path; the L1 GEMM zeroes it otherwise). Null if not.
-  float* zero_first;
-  int64_t zero_count;  // floats, a multiple of 4
-  // Multi-CTA path only: each CTA owns tokens [blockIdx.x * tokens_per_cta, + tokens_per_cta).
-  int32_t tokens_per_cta;
-  int32_t* cta_counts;           // (kDispatchMaxCtas, E) routed selections per CTA and expert
-  int32_t* cta_invalid;          // (kDispatchMaxCtas) invalid ids per CTA
-};
 
 namespace dispatch_detail {
 

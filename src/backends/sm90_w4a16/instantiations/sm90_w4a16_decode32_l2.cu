@@ -1,0 +1,4 @@
+// The decode32 tile's L2 (down) kernel (sm90_w4a16_tiles.h).
+#include "backends/sm90_w4a16/sm90_w4a16_launch.cuh"
+
+MEGAMOE_W4A16_GEMM_INSTANCE(kTileDecode32, false)

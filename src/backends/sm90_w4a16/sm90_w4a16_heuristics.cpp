@@ -1,0 +1,237 @@
+// The configuration heuristic (sm90_w4a16_heuristics.h): a pure function of the problem and the
+// token count. The tile's N side is tokens.
+// - Few tokens per expert (decode): the layer streams weights and the mainloop is bound by the
+//   decode's instructions, so the tile is the narrowest that holds an average expert's tokens in
+//   one piece (each weight is then decoded once): small accumulators and B stages leave room for
+//   deep pipelines and 4-6 CTAs per SM.
+// - Many tokens per expert (prefill): two or four warpgroups share one B tile (less B traffic per
+//   decoded weight, long wgmma runs); from 256 tokens per expert the K loop overlaps each k16
+//   step's decode with the previous step's wgmma, and where an expert's remainder past its
+//   128-token tiles is short the absorbing tile folds it into the last tile.
+// - On the 16- and 32-token tiles both GEMMs run as one persistent launch where L1's items end in
+//   a partial wave that L2 items can fill.
+// Within a tile, each work item runs at the narrowest token width that holds its slots (the
+// kernel's choice). Every threshold below was measured; docs/perf/README.md indexes the records.
+#include <algorithm>
+#include <cmath>
+#include <optional>
+#include <sstream>
+
+#include "backends/sm90_w4a16/sm90_w4a16_heuristics.h"
+
+#include "kernels/sm90/sm90_moe_token_tiles.h"
+#include "megamoe/runtime.h"
+#include "megamoe/status.h"
+#include "backends/sm90_w4a16/sm90_w4a16_tiles.h"
+
+namespace megamoe {
+
+std::string GemmConfig::to_string() const {
+  std::ostringstream os;
+  os << "BLOCK_M=" << 64 * warpgroups << " BLOCK_N=" << block_n << " stages=" << stages;
+  if (last_tile_extra > 0) os << " step=" << tile_step();
+  if (k_splits > 1) os << " k_splits=" << k_splits;
+  if (overlapped) os << " overlapped";
+  return os.str();
+}
+
+std::string MoeConfig::to_string() const {
+  return "L1{" + l1.to_string() + "} L2{" + l2.to_string() + "}" + (fused ? " fused" : "") +
+         (early_start ? " early-start" : "");
+}
+
+bool can_start_early(const MoeProblem& problem, int64_t tokens) {
+  const int64_t chunks = problem.intermediate_size > 0 ? problem.shared_intermediate_size / problem.intermediate_size : 0;
+  return tokens * problem.top_k <= kEarlyStartMaxSelections &&
+         tokens * (problem.top_k + chunks) <= kEarlyStartMaxSlots;
+}
+
+bool can_absorb(const MoeProblem& problem) {
+  const int64_t rows_per_block = 64 * kAbsorbingTile.warpgroups;
+  return (2 * problem.intermediate_size) % rows_per_block == 0 && problem.hidden_size % rows_per_block == 0;
+}
+
+bool MoeConfig::can_fuse() const {
+  const int tile = find_w4a16_tile(l1);
+  return l1.same_tile(l2) && tile >= 0 && kW4a16Tiles[tile].fusable;
+}
+
+namespace {
+
+// Token tiles of an expert of c slots, as the dispatch kernel counts them.
+double token_tiles(int64_t c, int block_n, int step) {
+  return static_cast<double>(kernels::sm90::expert_token_tiles(c, block_n, step));
+}
+
+// E[token_tiles(c)] for c ~ Binomial(tokens, p): an expert's expected tiles.
+double expected_tiles(int64_t tokens, double p, int block_n, int step) {
+  if (tokens <= 0 || p <= 0.0) return 0.0;
+  if (p >= 1.0) return token_tiles(tokens, block_n, step);
+  const double n = static_cast<double>(tokens);
+  // The terms past mean + 12 sigma are negligible; run() calls this, so the sum stays short.
+  const double mean = n * p;
+  const int64_t last = std::min<int64_t>(tokens, static_cast<int64_t>(mean + 12.0 * std::sqrt(mean) + 64.0));
+  double sum = 0.0;
+  for (int64_t c = 1; c <= last; ++c) {
+    const double x = static_cast<double>(c);
+    const double log_pmf = std::lgamma(n + 1) - std::lgamma(x + 1) - std::lgamma(n - x + 1) + x * std::log(p) +
+                           (n - x) * std::log1p(-p);
+    sum += std::exp(log_pmf) * token_tiles(c, block_n, step);
+  }
+  return sum;
+}
+
+}  // namespace
+
+namespace {
+
+// Average rows of B per routed expert.
+double tokens_per_expert(const MoeProblem& problem, int64_t tokens) {
+  return problem.num_experts > 0 ? static_cast<double>(tokens) * problem.top_k / problem.num_experts : 0.0;
+}
+
+// Expected token tiles of width block_n per 64-row block (each decodes its weights once) under
+// uniform routing: an expert's token count is binomial, and each shared slice holds every token.
+// (One tile per expert with tokens undercounts where many experts need two, and put layers in
+// the fused window that ran faster in two launches.)
+double expected_tile_count(const MoeProblem& problem, int64_t tokens, int block_n, int step) {
+  const double E = static_cast<double>(problem.num_experts);
+  const double chunks = static_cast<double>(problem.shared_intermediate_size / problem.intermediate_size);
+  return E * expected_tiles(tokens, problem.top_k / E, block_n, step) + chunks * token_tiles(tokens, block_n, step);
+}
+
+// Waves of L1 items over the CTA slots of a fused tile.
+double l1_waves(const MoeProblem& problem, int num_sms, double tiles, int ctas_per_sm) {
+  const double l1_items = tiles * static_cast<double>(2 * problem.intermediate_size / 64);
+  return l1_items / (static_cast<double>(num_sms) * ctas_per_sm);
+}
+
+}  // namespace
+
+double DecodeTileCounts::tiles16() {
+  if (!tiles16_) tiles16_ = expected_tile_count(problem_, tokens_, kFusedTile.block_n, kFusedTile.block_n);
+  return *tiles16_;
+}
+
+double DecodeTileCounts::tiles32() {
+  if (!tiles32_) tiles32_ = expected_tile_count(problem_, tokens_, kFusedTile32.block_n, kFusedTile32.block_n);
+  return *tiles32_;
+}
+
+namespace heuristic {
+
+// Each token tile holds an average expert's tokens in one piece (the weights are then decoded
+// once) and is as narrow as that allows: the decode regime is instruction-bound, and a wider tile
+// than needed pays wgmma columns and registers (fewer CTAs) for nothing. The 64-token tile (two
+// chunks per wgmma round trip) beats the 128-token tile up to 48 tokens per expert, not at 64
+// (H200 records v2-v7).
+MoeConfig width_tiles(const MoeProblem& problem, int64_t tokens) {
+  const double per_expert = tokens_per_expert(problem, tokens);
+  auto pick = [&](int64_t m_tiles) {
+    if (per_expert <= 16) return kFusedTile;  // two launches often take the 32-token tile: below
+    if (per_expert <= 24) return kFusedTile32;
+    if (per_expert <= 40) return kDecode48Tile;
+    // The two-warpgroup 128-token tile needs an even number of 64-row tiles.
+    if (per_expert <= 48 || m_tiles % 2 != 0) return kMiddleTile;
+    return kPrefillTile;
+  };
+  MoeConfig cfg;
+  cfg.l1 = pick(2 * problem.intermediate_size / 64);
+  cfg.l2 = pick(problem.hidden_size / 64);
+  return cfg;
+}
+
+// Both GEMMs in one persistent launch where L1 ends in a partial wave of items that L2 items can
+// fill (they start as soon as their expert's L1 items are done). Below ~0.6 waves there is no tail
+// to fill; past ~4.5 waves the launch gap between the GEMMs is a small part of the layer and the
+// fused kernel's hand-off costs more (docs/perf/2026-11-21-h200-w4a16-v6.md).
+bool fuse_decode16(const MoeProblem& problem, int num_sms, const MoeConfig& cfg, DecodeTileCounts& tiles) {
+  if (!cfg.can_fuse() || cfg.l1.block_n != kFusedTile.block_n || num_sms <= 0) return false;
+  const double waves = l1_waves(problem, num_sms, tiles.tiles16(), kFusedTileCtasPerSm);
+  return waves >= 0.6 && waves <= 4.5;
+}
+
+// The 32-token tile wherever it decodes at least 1% fewer weights than the 16-token tile, i.e.
+// has fewer tiles: experts past 16 tokens, and the shared slices, which take every token. An item
+// of <= 16 tokens still runs at width 16 in the 32-token tile. Fused, the 16-token tile stays.
+void widen_unfused_decode(MoeConfig& cfg, DecodeTileCounts& tiles) {
+  if (cfg.fused || !cfg.can_fuse() || cfg.l1.block_n != kFusedTile.block_n) return;
+  if (tiles.tiles32() <= 0.99 * tiles.tiles16()) {
+    cfg.l1 = kFusedTile32;
+    cfg.l2 = kFusedTile32;
+  }
+}
+
+// Up to 4.8 waves of the 32-token tile's L1 items: a small layer's L1 ends in a partial wave whose
+// idle slots L2 items fill; at many waves the launch between the GEMMs is a small part of the
+// layer and the fused kernel runs slower.
+bool fuse_decode32(const MoeProblem& problem, int num_sms, const MoeConfig& cfg, DecodeTileCounts& tiles) {
+  if (!cfg.can_fuse() || cfg.l1.block_n != kFusedTile32.block_n || num_sms <= 0) return false;
+  const double waves = l1_waves(problem, num_sms, tiles.tiles32(), kFusedTile32CtasPerSm);
+  return waves >= 0.6 && waves <= 4.8;
+}
+
+// Two K slices for L2 (adding into the fp32 accumulator, so not with the fixed-order combine):
+// - one token: L2 has only (k + shared) * H/64 tiles, fewer than two per CTA slot, so slices give
+//   the CTAs twice as many, shorter, items;
+// - up to early start's batch size, where each slice keeps at least 16 chunks (I >= 2048): the
+//   layer ends in a tail of L2 items on fewer and fewer CTAs, and halving the items halves it.
+//   Short items gain less than the per-item cost, and from ~8 items per CTA slot the claimed
+//   items balance the CTAs anyway.
+int l2_k_splits(const MoeProblem& problem, int64_t tokens) {
+  const bool long_l2_items = problem.intermediate_size / 64 / 2 >= 16;
+  const bool small = tokens == 1 || (long_l2_items && can_start_early(problem, tokens));
+  return small && !problem.deterministic && problem.intermediate_size % 128 == 0 ? 2 : 1;
+}
+
+// The absorbing tile in both GEMMs where a remainder of up to 32 tokens per expert is common: the
+// 128-token tile would run it as an item of its own, decoding every weight again; in both GEMMs,
+// since each gains (docs/perf/2026-11-21-h100-w4a16-v18.md).
+// - Long K (H >= 4096, I >= 2048): where it saves 15% of the tiles, or from 256 tokens per expert,
+//   where most items are whole tiles and its mbarrier-passed K loop reaches a higher share of the
+//   tensor rate than the overlapped 128-token tile.
+// - Short K (Qwen3's L2): its one CTA per SM has no other CTA to cover an item's fill and
+//   epilogue, which short items make frequent: only where it saves a quarter of the tiles, or from
+//   256 tokens per expert (docs/perf/2026-11-22-h100-w4a16-v21.md, -v22.md).
+bool absorbing_pays(const MoeProblem& problem, int64_t tokens, const MoeConfig& cfg) {
+  if (cfg.l1.block_n != kPrefillTile.block_n || cfg.l2.block_n != kPrefillTile.block_n || !can_absorb(problem)) {
+    return false;
+  }
+  const double tiles = expected_tile_count(problem, tokens, kPrefillTile.block_n, kPrefillTile.block_n);
+  const double absorbed = expected_tile_count(problem, tokens, kAbsorbingTile.block_n, kAbsorbingTile.tile_step());
+  const bool long_k = problem.hidden_size >= 4096 && problem.intermediate_size >= 2048;
+  return absorbed <= (long_k ? 0.85 : 0.75) * tiles || tokens_per_expert(problem, tokens) >= 256;
+}
+
+// From 256 tokens per expert each warpgroup decodes a k16 step while its previous step's wgmma
+// runs. Its two token widths (64, 128) waste more of an expert's last tile than the plain tile's
+// four (32 .. 128), which costs most where an expert has one or two tiles.
+void overlap_prefill(const MoeProblem& problem, int64_t tokens, MoeConfig& cfg) {
+  if (cfg.l1.block_n == kPrefillTile.block_n && cfg.l1.last_tile_extra == 0 &&
+      cfg.l2.block_n == kPrefillTile.block_n && tokens_per_expert(problem, tokens) >= 256) {
+    cfg.l1 = kOverlappedPrefillTile;
+    cfg.l2 = kOverlappedPrefillTile;
+  }
+}
+
+}  // namespace heuristic
+
+MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms) {
+  MoeConfig cfg = heuristic::width_tiles(problem, tokens);
+  DecodeTileCounts tiles(problem, tokens);
+  cfg.fused = heuristic::fuse_decode16(problem, num_sms, cfg, tiles);
+  heuristic::widen_unfused_decode(cfg, tiles);
+  if (!cfg.fused) cfg.fused = heuristic::fuse_decode32(problem, num_sms, cfg, tiles);
+  cfg.l2.k_splits = heuristic::l2_k_splits(problem, tokens);
+  // A tiny batch's L1 CTAs start their first items while the dispatch kernel runs: the dispatch
+  // (one CTA) and the hand-off leave the critical path (sm90_w4a16_scheduler.cuh, early start).
+  cfg.early_start = can_start_early(problem, tokens);
+  if (heuristic::absorbing_pays(problem, tokens, cfg)) {
+    cfg.l1 = kAbsorbingTile;
+    cfg.l2 = kAbsorbingTile;
+  }
+  heuristic::overlap_prefill(problem, tokens, cfg);
+  return cfg;
+}
+
+}  // namespace megamoe

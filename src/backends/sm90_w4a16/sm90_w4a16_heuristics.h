@@ -1,0 +1,84 @@
+// The configuration heuristic of the (sm_90, w4a16) row: a pure function of the problem, the
+// token count and the device's SM count, built from named steps (printable with
+// MoeConfig::to_string). MoeTuning overrides are applied outside it (tuned_moe_config).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "megamoe/runtime.h"
+#include "backends/sm90_w4a16/sm90_w4a16_tiles.h"
+
+namespace megamoe {
+
+struct MoeConfig {
+  GemmConfig l1;             // x · W13ᵀ + SwiGLU
+  GemmConfig l2;             // a · W2ᵀ + combine
+  bool fused = false;        // L1 and L2 in one persistent launch (needs can_fuse)
+  bool early_start = false;  // L1's first items start before the dispatch completes (tiny T)
+  std::string to_string() const;
+  // Whether both GEMMs run the same tile (K slices aside) and that tile has a fused kernel
+  // (kFusedTile or kFusedTile32), so that they may run fused.
+  bool can_fuse() const;
+};
+
+// Early start (a tiny batch's L1 CTAs compute their first work item from the top-k ids and run it
+// while the dispatch kernel still runs) holds up to this many routed selections (T * k: one per
+// lane of a warp) and slots (T * (k + shared slices)).
+inline constexpr int64_t kEarlyStartMaxSelections = 32;
+inline constexpr int64_t kEarlyStartMaxSlots = 64;
+
+// Whether a batch of `tokens` is small enough for early start.
+bool can_start_early(const MoeProblem& problem, int64_t tokens);
+
+// Whether both GEMMs can run the absorbing tile (kAbsorbingTile): 2I and H multiples of its
+// 256-row blocks.
+bool can_absorb(const MoeProblem& problem);
+
+// The expected token tiles of the two decode tiles at T under uniform routing, each summed at
+// most once (run() evaluates the heuristic at every call).
+class DecodeTileCounts {
+ public:
+  DecodeTileCounts(const MoeProblem& problem, int64_t tokens) : problem_(problem), tokens_(tokens) {}
+  double tiles16();
+  double tiles32();
+
+ private:
+  const MoeProblem& problem_;
+  int64_t tokens_;
+  std::optional<double> tiles16_, tiles32_;
+};
+
+// The heuristic's steps, in the order choose_moe_config takes them.
+namespace heuristic {
+// Both GEMMs' tiles by tokens per expert: the narrowest that holds an average expert in one piece.
+MoeConfig width_tiles(const MoeProblem& problem, int64_t tokens);
+// Whether the 16-token tile's GEMMs run as one launch (a partial last wave L2 items can fill).
+bool fuse_decode16(const MoeProblem& problem, int num_sms, const MoeConfig& cfg, DecodeTileCounts& tiles);
+// Two launches take the 32-token tile where it has fewer tiles than the 16-token one.
+void widen_unfused_decode(MoeConfig& cfg, DecodeTileCounts& tiles);
+// Whether the 32-token tile's GEMMs run as one launch.
+bool fuse_decode32(const MoeProblem& problem, int num_sms, const MoeConfig& cfg, DecodeTileCounts& tiles);
+// L2's K slices (1 or 2).
+int l2_k_splits(const MoeProblem& problem, int64_t tokens);
+// Whether the absorbing tile pays in both GEMMs (prefill tiles, a common short remainder).
+bool absorbing_pays(const MoeProblem& problem, int64_t tokens, const MoeConfig& cfg);
+// The overlapped 128-token tile from 256 tokens per expert.
+void overlap_prefill(const MoeProblem& problem, int64_t tokens, MoeConfig& cfg);
+}  // namespace heuristic
+
+// The heuristic: no overrides.
+MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms = 132);
+
+// The heuristic's steps with MoeTuning's overrides in place of the choices they fix: `fused`
+// replaces the launch decision (before the decode tile that depends on it), `absorbing_tile` true
+// runs both GEMMs on the absorbing tile where can_absorb, false leaves it out. Never throws: an
+// override that cannot run is reported by moe_config.
+MoeConfig tuned_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms, const MoeTuning& tuning);
+
+// The configuration run() uses for T tokens under `plan`: tuned_moe_config with the plan's tuning.
+// Throws megamoe::Error(kInvalidArgument) when an override cannot run at this T.
+MoeConfig moe_config(const MoePlan& plan, int64_t tokens);
+
+}  // namespace megamoe

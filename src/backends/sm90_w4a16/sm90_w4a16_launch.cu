@@ -1,0 +1,47 @@
+// The launch whitelist of the sm90 W4A16 grouped GEMM: a configuration runs the kernels of its
+// tile table entry (sm90_w4a16_tiles.h), compiled under instantiations/.
+#include <utility>
+
+#include "megamoe/status.h"
+#include "backends/sm90_w4a16/sm90_w4a16_launch.h"
+
+namespace megamoe::runtime {
+
+namespace {
+
+template <class F, int... I>
+void for_each_tile(F&& f, std::integer_sequence<int, I...>) {
+  (f(std::integral_constant<int, I>{}), ...);
+}
+
+}  // namespace
+
+template <bool kIsL1>
+void launch_w4a16_gemm(const GemmConfig& c, const kernels::sm90::W4a16GemmParams& params, const GemmGrid& grid) {
+  MEGAMOE_CHECK(c.k_splits >= 1 && (c.k_splits == 1 || (!kIsL1 && params.y_slot == nullptr)), kInternal,
+                "GEMM config ", c.to_string(), ": only the atomic L2 may split K");
+  const int tile = find_w4a16_tile(c);
+  MEGAMOE_CHECK(tile >= 0, kInternal, "no kernel instantiated for GEMM config ", c.to_string());
+  for_each_tile(
+      [&](auto index) {
+        if (index.value == tile) launch_w4a16_tile<decltype(index)::value, kIsL1>(params, grid);
+      },
+      std::make_integer_sequence<int, kW4a16TileCount>{});
+}
+
+template void launch_w4a16_gemm<true>(const GemmConfig&, const kernels::sm90::W4a16GemmParams&, const GemmGrid&);
+template void launch_w4a16_gemm<false>(const GemmConfig&, const kernels::sm90::W4a16GemmParams&, const GemmGrid&);
+
+void launch_w4a16_fused(const MoeConfig& c, const kernels::sm90::W4a16FusedParams& params, const GemmGrid& grid) {
+  const int tile = find_w4a16_tile(c.l1);
+  MEGAMOE_CHECK(c.can_fuse() && tile >= 0, kInternal, "no fused kernel instantiated for ", c.to_string());
+  for_each_tile(
+      [&](auto index) {
+        if constexpr (kW4a16Tiles[decltype(index)::value].fusable) {
+          if (index.value == tile) launch_w4a16_fused_tile<decltype(index)::value>(params, grid);
+        }
+      },
+      std::make_integer_sequence<int, kW4a16TileCount>{});
+}
+
+}  // namespace megamoe::runtime

@@ -1,0 +1,37 @@
+// Host launchers of the sm90 W4A16 grouped-GEMM kernels: the whitelist of instantiations is the
+// tile table (sm90_w4a16_tiles.h); each entry's kernels are compiled in translation units of
+// their own (instantiations/), so that a build compiles them in parallel.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cstdint>
+
+#include "backends/sm90_w4a16/sm90_w4a16_params.cuh"
+#include "backends/sm90_w4a16/sm90_w4a16_heuristics.h"
+#include "backends/sm90_w4a16/sm90_w4a16_tiles.h"
+
+namespace megamoe::runtime {
+
+// How large a persistent grid to launch, and where.
+struct GemmGrid {
+  int num_sms = 0;
+  int64_t max_work = 0;  // upper bound of the work items (the grid never exceeds it)
+  cudaStream_t stream = nullptr;
+};
+
+// One GEMM (L1 when kIsL1, else L2) on the tile of `c`. Throws megamoe::Error(kInternal) where no
+// kernel is instantiated for it (the heuristic only picks table entries).
+template <bool kIsL1>
+void launch_w4a16_gemm(const GemmConfig& c, const kernels::sm90::W4a16GemmParams& params, const GemmGrid& grid);
+
+// The fused L1 + L2 launch on a fusable tile (MoeConfig::can_fuse).
+void launch_w4a16_fused(const MoeConfig& c, const kernels::sm90::W4a16FusedParams& params, const GemmGrid& grid);
+
+// The kernels of table entry kTile (defined in sm90_w4a16_launch.cuh, instantiated under
+// instantiations/).
+template <int kTile, bool kIsL1>
+void launch_w4a16_tile(const kernels::sm90::W4a16GemmParams& params, const GemmGrid& grid);
+template <int kTile>
+void launch_w4a16_fused_tile(const kernels::sm90::W4a16FusedParams& params, const GemmGrid& grid);
+
+}  // namespace megamoe::runtime

@@ -1,0 +1,37 @@
+// A layer's weights in the sm90 prepacked layout (sm90_w4a16_layout.h: the checkpoint's NVFP4
+// bits reshuffled for the kernels, never decoded), owned on the device.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "megamoe/moe.h"
+#include "runtime/backend.h"
+
+namespace megamoe::runtime {
+
+struct Sm90PrepackedWeights final : BackendWeights {
+  static constexpr const char* kLayout = "sm90-prepacked-nvfp4";
+  // Virtual experts (routed, then the shared expert's slices) one after another, each *_stride
+  // bytes (sm90_w4a16_prepack.h).
+  uint8_t* w13_codes = nullptr;
+  uint8_t* w13_scales = nullptr;
+  uint8_t* w2_codes = nullptr;
+  uint8_t* w2_scales = nullptr;
+  float* s2 = nullptr;  // [3][E']: gate, up, down
+  int64_t w13_code_stride = 0, w13_scale_stride = 0, w2_code_stride = 0, w2_scale_stride = 0;
+  size_t bytes = 0;
+
+  Sm90PrepackedWeights() = default;
+  Sm90PrepackedWeights(const Sm90PrepackedWeights&) = delete;
+  Sm90PrepackedWeights& operator=(const Sm90PrepackedWeights&) = delete;
+  ~Sm90PrepackedWeights() override;
+  const char* layout() const override { return kLayout; }
+  size_t device_bytes() const override { return bytes; }
+};
+
+// Prepacks on all host cores and copies on `stream`; returns once the copies have landed.
+std::unique_ptr<Sm90PrepackedWeights> upload_sm90_prepacked(const MoeLayer& layer, cudaStream_t stream);
+
+}  // namespace megamoe::runtime

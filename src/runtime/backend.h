@@ -1,0 +1,94 @@
+// The backend table: one row per (architecture, precision) this build has kernels for. The
+// arch-neutral runtime (MoePlan, MoeDeviceWeights, run) reaches device code only through a row;
+// a new precision or architecture is a new row (docs/design.md §8), never a branch in the runtime.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "megamoe/moe.h"
+#include "megamoe/precision.h"
+#include "megamoe/runtime.h"
+
+namespace megamoe::runtime {
+
+// A compute capability as major * 10 + minor (90: sm_90a, Hopper).
+using Arch = int;
+std::string arch_name(Arch arch);  // "sm_90"
+
+// The current CUDA device's architecture and SM count (throws megamoe::Error(kCuda)).
+struct DeviceInfo {
+  int device = 0;
+  Arch arch = 0;
+  int num_sms = 0;
+  std::string name;
+};
+DeviceInfo current_device();
+
+// A layer's weights on the device in one row's layout (owned; freed with the object). Rows of an
+// architecture that read the same layout share one upload: a layer is held once per GPU whatever
+// precision runs it.
+class BackendWeights {
+ public:
+  virtual ~BackendWeights() = default;
+  virtual const char* layout() const = 0;
+  virtual size_t device_bytes() const = 0;
+};
+
+class MoeBackend {
+ public:
+  virtual ~MoeBackend() = default;
+  virtual Arch arch() const = 0;
+  virtual Precision precision() const = 0;  // never kAuto
+  std::string name() const;                 // "w4a16/sm_90"
+
+  // Whether kAuto should run this row at T tokens. Rows are asked in the table's order; the
+  // exact row of an architecture comes last and always accepts.
+  virtual bool auto_accepts(const MoeProblem& problem, int64_t tokens) const = 0;
+
+  // Throws megamoe::Error(kUnsupported / kInvalidArgument) naming what the row's kernels cannot
+  // run (the arch-neutral checks, validate_problem_common, have passed).
+  virtual void validate(const MoeProblem& problem) const = 0;
+  virtual size_t workspace_bytes(const MoeProblem& problem) const = 0;
+  // The configuration run() uses at T tokens (the row's heuristic with the plan's MoeTuning), as
+  // text. Throws megamoe::Error(kInvalidArgument) where an override cannot run at this T.
+  virtual std::string describe_config(const MoePlan& plan, int64_t tokens) const = 0;
+
+  // The layout this row's kernels read, and the upload (prepack) that makes it.
+  virtual const char* weight_layout() const = 0;
+  virtual std::unique_ptr<BackendWeights> upload(const MoeLayer& layer, cudaStream_t stream) const = 0;
+
+  // Launches only: arguments are checked (check_run_args), T > 0, weights in weight_layout().
+  virtual void run(const MoePlan& plan, const BackendWeights& weights, const MoeRunArgs& args,
+                   cudaStream_t stream) const = 0;
+  virtual int64_t invalid_id_count(const MoePlan& plan, const void* workspace, cudaStream_t stream) const = 0;
+};
+
+// Every row of this build, in the order kAuto asks them.
+std::span<const MoeBackend* const> backend_table();
+// The row for (arch, precision), or null where this build has none.
+const MoeBackend* find_backend(Arch arch, Precision precision);
+// The rows of this build as "w4a16/sm_90, ..." (for messages).
+std::string built_backends();
+// The row that uploads weights for `arch` (every row of an arch reads its layout); throws
+// megamoe::Error(kUnsupported) naming the built rows where there is none.
+const MoeBackend& weights_backend(Arch arch);
+
+// The rows a plan for `problem` on `arch` may use, validated (MoePlan::create; no device needed).
+// Throws megamoe::Error(kUnsupported) naming the built rows where none serves the request.
+std::vector<const MoeBackend*> resolve_backends(const MoeProblem& problem, Arch arch);
+
+// Problem checks that hold for every row (top_k, max_tokens, swiglu_limit, precision).
+void validate_problem_common(const MoeProblem& problem);
+
+// The plan's rows (MoePlan keeps them private to users).
+struct PlanAccess {
+  static const MoeBackend& backend(const MoePlan& plan, int64_t tokens);
+};
+
+}  // namespace megamoe::runtime

@@ -1,4 +1,0 @@
-// The decode32 tile's fused L1 + L2 kernel (sm90_w4a16_tiles.h).
-#include "runtime/sm90_w4a16_launch.cuh"
-
-MEGAMOE_W4A16_FUSED_INSTANCE(kTileDecode32)

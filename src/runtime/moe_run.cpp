@@ -1,0 +1,47 @@
+// run() (arch-neutral): the argument checks every row shares, then the plan's row for this T.
+#include "megamoe/runtime.h"
+#include "megamoe/status.h"
+#include "runtime/backend.h"
+#include "runtime/moe_device_weights.h"
+
+namespace megamoe {
+namespace {
+
+void check_run_args(const MoePlan& plan, const runtime::DeviceWeightsAccess::Impl& w, const MoeRunArgs& args) {
+  const MoeProblem& p = plan.problem();
+  MEGAMOE_CHECK(w.shape.hidden_size == p.hidden_size && w.shape.intermediate_size == p.intermediate_size &&
+                    w.shape.num_experts == p.num_experts &&
+                    w.shape.shared_intermediate_size == p.shared_intermediate_size,
+                kInvalidArgument, "run: the weights (H=", w.shape.hidden_size, ", I=",
+                w.shape.intermediate_size, ", E=", w.shape.num_experts, ", shared I=",
+                w.shape.shared_intermediate_size, ") do not match the plan (H=", p.hidden_size,
+                ", I=", p.intermediate_size, ", E=", p.num_experts, ", shared I=",
+                p.shared_intermediate_size, ")");
+  MEGAMOE_CHECK(args.tokens >= 0 && args.tokens <= p.max_tokens, kInvalidArgument, "run: tokens = ",
+                args.tokens, " must be in 0..max_tokens = ", p.max_tokens);
+  if (args.tokens == 0) return;
+  MEGAMOE_CHECK(args.hidden && args.topk_ids && args.topk_weights && args.workspace, kInvalidArgument,
+                "run: hidden, topk_ids, topk_weights and workspace must be device pointers, not null");
+  MEGAMOE_CHECK((args.output != nullptr) != (args.output_f32 != nullptr), kInvalidArgument,
+                "run: give exactly one of output (bf16) and output_f32 (fp32)");
+  const void* out = args.output != nullptr ? static_cast<const void*>(args.output) : args.output_f32;
+  MEGAMOE_CHECK(reinterpret_cast<uintptr_t>(args.hidden) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
+                    reinterpret_cast<uintptr_t>(args.workspace) % 256 == 0,
+                kInvalidArgument, "run: hidden and output must be 16-byte aligned, workspace 256-byte aligned");
+}
+
+}  // namespace
+
+void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs& args, cudaStream_t stream) {
+  const auto& w = runtime::DeviceWeightsAccess::get(weights);
+  check_run_args(plan, w, args);
+  if (args.tokens == 0) return;
+  const runtime::MoeBackend& row = runtime::PlanAccess::backend(plan, args.tokens);
+  MEGAMOE_CHECK(w.data != nullptr && std::string(w.data->layout()) == row.weight_layout(), kInvalidArgument,
+                "run: the weights were prepared in layout ", w.data ? w.data->layout() : "(none: moved from)",
+                " for ", runtime::arch_name(w.arch), "; this plan's kernels (", row.name(), ") read ",
+                row.weight_layout());
+  row.run(plan, *w.data, args, stream);
+}
+
+}  // namespace megamoe

@@ -1,0 +1,102 @@
+// The dispatch and combine launches every sm90 row shares (sm90_moe_pipeline.h).
+#include "runtime/sm90/sm90_moe_pipeline.h"
+
+#include <algorithm>
+
+#include "kernels/sm90/sm90_moe_combine.cuh"
+#include "kernels/sm90/sm90_moe_dispatch.cuh"
+#include "megamoe/gpu.h"
+#include "runtime/sm90/sm90_launch_util.h"
+
+namespace megamoe::runtime {
+
+namespace k90 = kernels::sm90;
+
+PipelineRun PipelineRun::make(const MoeProblem& problem, const MoeRunArgs& args, const WorkspaceLayout& layout,
+                              bool early_start) {
+  return PipelineRun{problem,
+                     args,
+                     layout,
+                     args.tokens,
+                     runtime::virtual_experts(problem),
+                     runtime::slots_per_token(problem),
+                     early_start && !problem.deterministic};
+}
+
+k90::DispatchParams dispatch_params(const PipelineRun& r, const GemmSchedule& l1, const GemmSchedule& l2) {
+  const MoeProblem& p = r.problem;
+  void* ws = r.args.workspace;
+  const WorkspaceLayout& L = r.layout;
+  k90::DispatchParams d{};
+  d.topk_ids = r.args.topk_ids;
+  d.topk_weights = r.args.topk_weights;
+  d.tokens = static_cast<int32_t>(r.tokens);
+  d.top_k = p.top_k;
+  d.num_experts = static_cast<int32_t>(p.num_experts);
+  d.shared_chunks = static_cast<int32_t>(shared_chunks(p));
+  d.l1_m_tiles = static_cast<int32_t>(2 * p.intermediate_size / 64);
+  d.l2_m_tiles = static_cast<int32_t>(p.hidden_size / 64);
+  d.l1_block_m_tiles = l1.block_m_tiles;
+  d.l2_block_m_tiles = l2.block_m_tiles;
+  d.l1_block_n = l1.block_n;
+  d.l2_block_n = l2.block_n;
+  d.l1_tile_step = l1.tile_step;
+  d.l2_tile_step = l2.tile_step;
+  d.l2_k_splits = l2.k_splits;
+  d.expert_offsets = workspace_at<int32_t>(ws, L.expert_offsets);
+  d.l1_tile_offsets = workspace_at<int32_t>(ws, L.l1_tiles);
+  d.l2_tile_offsets = workspace_at<int32_t>(ws, L.l2_tiles);
+  d.slot_token = workspace_at<int32_t>(ws, L.slot_token);
+  d.slot_weight = workspace_at<float>(ws, L.slot_weight);
+  d.token_slot = workspace_at<int32_t>(ws, L.token_slot);
+  d.invalid_ids = workspace_at<int32_t>(ws, L.invalid);
+  d.counters = workspace_at<int32_t>(ws, L.counters);
+  d.counter_count = static_cast<int32_t>(counter_count(p));
+  d.cta_counts = workspace_at<int32_t>(ws, L.cta_counts);
+  d.cta_invalid = workspace_at<int32_t>(ws, L.cta_invalid);
+  d.zero_first = r.dispatch_zeroes_accumulator ? workspace_at<float>(ws, L.out_acc) : nullptr;
+  d.zero_count = r.dispatch_zeroes_accumulator ? r.tokens * p.hidden_size : 0;
+  return d;
+}
+
+void launch_dispatch(k90::DispatchParams d, int64_t selections, cudaStream_t stream) {
+  if (selections <= k90::kDispatchSingleCtaItems) {
+    k90::moe_dispatch_kernel<<<1, k90::kDispatchThreads, k90::kDispatchStageBytes, stream>>>(d);
+    gpu::check_cuda(cudaGetLastError(), "moe_dispatch_kernel launch");
+    return;
+  }
+  // At least kDispatchThreads selections per CTA, whole tokens, no empty CTA.
+  const int64_t T = d.tokens;
+  const int64_t want =
+      std::min<int64_t>(k90::kDispatchMaxCtas, (selections + k90::kDispatchThreads - 1) / k90::kDispatchThreads);
+  const int64_t tokens_per_cta = (T + want - 1) / want;
+  const int64_t ctas = (T + tokens_per_cta - 1) / tokens_per_cta;
+  d.tokens_per_cta = static_cast<int32_t>(tokens_per_cta);
+  k90::moe_dispatch_count_kernel<<<static_cast<unsigned>(ctas), k90::kDispatchThreads, 0, stream>>>(d);
+  gpu::check_cuda(cudaGetLastError(), "moe_dispatch_count_kernel launch");
+  launch_dependent(&k90::moe_dispatch_place_kernel, static_cast<unsigned>(ctas), k90::kDispatchThreads, 0, stream, d);
+}
+
+k90::CombineParams combine_params(const PipelineRun& r, const k90::DispatchParams& d) {
+  const bool det = r.problem.deterministic;
+  void* ws = r.args.workspace;
+  k90::CombineParams c{};
+  c.out_acc = det ? nullptr : workspace_at<float>(ws, r.layout.out_acc);
+  c.y_slot = det ? workspace_at<float>(ws, r.layout.y_slot) : nullptr;
+  c.token_slot = d.token_slot;
+  c.slot_weight = d.slot_weight;
+  c.slots_per_token = static_cast<int32_t>(r.slots_per_token);
+  c.tokens = r.tokens;
+  c.hidden = r.problem.hidden_size;
+  c.out = reinterpret_cast<__nv_bfloat16*>(r.args.output);
+  c.out_f32 = r.args.output_f32;
+  return c;
+}
+
+void launch_combine(const k90::CombineParams& c, int num_sms, cudaStream_t stream) {
+  const int64_t vecs = c.tokens * c.hidden / 8;
+  const int64_t blocks = std::min<int64_t>((vecs + 255) / 256, int64_t{num_sms} * 8);
+  launch_dependent(&k90::moe_combine_kernel, static_cast<unsigned>(blocks), 256, 0, stream, c);
+}
+
+}  // namespace megamoe::runtime
