@@ -87,15 +87,13 @@ ModelConfig load_model_config(const std::string& dir);
 // block scales and weight_scale_2 = 1 (the same zero weight, decodable).
 MoeLayer load_moe_layer(const Checkpoint& ckpt, const ModelConfig& config, int64_t layer);
 
-// load_moe_layer for one TP rank: the same checks, but only the rank's slice of each expert's
-// block scales is read and checked (gate/up: its rows; down: its columns of every row), and only
-// the slice's code bytes are ever touched, so a rank reads its share of the checkpoint, not the
-// whole layer (page granularity: down's slice is a strided part of every row, so the pages of
-// down are all touched where a row's I/2 code bytes are shorter than a page). Scale bytes outside
-// the slice are not read, so a bad byte there is not reported. One exception: a tensor whose
-// global scale is 0 is checked whole against ModelOpt's all-zero signature (rare; it reads that
-// tensor). Returns what tp_local_layer(load_moe_layer(...), tp) returns for a valid checkpoint.
-// Throws what load_moe_layer throws, and tp_range's errors before anything is read.
+// load_moe_layer for one TP rank: the same checks on the rank's slice only (gate/up: its rows;
+// down: its columns of every row), so a rank reads its share of the checkpoint, not the whole
+// layer (page granularity: docs/design.md §7.1). Bytes outside the slice are not read, so a bad
+// scale byte there is not reported; a tensor whose global scale is 0 is read whole and checked
+// against ModelOpt's all-zero signature. For a valid checkpoint, returns what
+// tp_local_layer(load_moe_layer(...), tp) returns. Throws what load_moe_layer throws, and
+// tp_range's errors before anything is read.
 MoeLayer load_moe_layer_tp(const Checkpoint& ckpt, const ModelConfig& config, int64_t layer,
                            const TpConfig& tp);
 

@@ -67,13 +67,10 @@ struct Nvfp4View {
   float global_scale = 1.0f;        // weight_scale_2
 };
 
-// Where ModelOpt's exporter ran, which changes its bytes in two places (docs/design.md §2):
-//  - the global scale: PyTorch evaluates `amax / (6.0 * 448.0)` as a true division on the CPU
-//    but as amax * fl32(1/2688) on a CUDA tensor; the two are one fp32 ulp apart for about a
-//    fifth of amax values, which moves about 0.5% of the codes;
-//  - an all-zero weight (amax 0) gets NaN block scales, 0/0, whose sign bit is the platform's
-//    default NaN: set on x86 CPUs (byte 0xFF), clear on NVIDIA GPUs (byte 0x7F).
-// Published checkpoints are exported on GPUs: that is the default.
+// Where ModelOpt's exporter ran, which changes two things it writes (docs/design.md §2): the
+// global scale (one fp32 ulp apart for about a fifth of amax values) and the NaN byte of an
+// all-zero weight's block scales (the platform's default NaN). Published checkpoints are exported
+// on GPUs: that is the default.
 enum class ExportDevice {
   kGpu,  // s2 = fl32(amax * fl32(1/2688)); zero-weight scale byte 0x7F
   kCpu,  // s2 = fl32(amax / 2688); zero-weight scale byte 0xFF (x86)
@@ -82,10 +79,9 @@ inline constexpr ExportDevice kDefaultExportDevice = ExportDevice::kGpu;
 const char* export_device_name(ExportDevice d);  // "gpu" / "cpu"
 
 // What ModelOpt's exporter writes for a weight whose amax is 0 (an all-zero weight, or a fused
-// group that is all zero): weight_scale_2 = 0, so every block ratio is 0/0 = NaN, which becomes
-// a NaN block scale (0x7F or 0xFF, by ExportDevice), and every element's quotient is NaN, which
-// _cast_fp4 turns into code 7 in both nibbles. The signature means "all-zero weight"; NaN and
-// negative scales are invalid everywhere else.
+// group that is all zero): weight_scale_2 = 0, every block scale a NaN byte (0x7F or 0xFF, by
+// ExportDevice), every code byte 0x77. The signature means "all-zero weight"; NaN and negative
+// scales are invalid everywhere else.
 inline constexpr uint8_t kZeroWeightScaleByteGpu = 0x7F;
 inline constexpr uint8_t kZeroWeightScaleByteCpu = 0xFF;
 inline constexpr uint8_t kZeroWeightCodeByte = 0x77;
@@ -124,9 +120,8 @@ float modelopt_global_scale(float amax, ExportDevice device = kDefaultExportDevi
 // w[n,k] = e2m1(code) * ue4m3(scale) * global_scale, in fp32 (exact product, one rounding). The
 // zero-weight signature (is_modelopt_zero_weight) gives zeros.
 void dequantize(const Nvfp4View& w, std::span<float> out);
-// The same weights rounded once to bf16 (round to nearest even) from the exact product: going
-// through the fp32 product would round twice and land one bf16 ulp off where the fp32 value is
-// a bf16 tie. `out` holds bf16 bit patterns.
+// The same weights rounded once to bf16 (round to nearest even) from the exact product, not
+// through fp32 (which would round twice). `out` holds bf16 bit patterns.
 void dequantize_to_bf16(const Nvfp4View& w, std::span<uint16_t> out);
 
 // Activation recipe (docs/design.md §2): gs = 2688/amax (or the reciprocal of a static input_scale);

@@ -1,6 +1,8 @@
 // The arithmetic of a MoE layer's expert GEMMs: an option of every API (MoeProblem::precision,
 // EpConfig::precision, the CLI's --precision, the torch op's and NVFP4MoE's `precision`), named
-// the same way everywhere. W4A16 is defined in docs/design.md §2, W4A8 in docs/w4a8.md.
+// the same way everywhere. W4A16 is defined in docs/design.md §2, W4A8 in docs/w4a8.md. A
+// precision that no GPU kernel of the build serves is refused when the plan is made
+// (MoePlan::create throws kUnsupported); README "Precision" says what a build runs.
 #pragma once
 
 #include <string_view>
@@ -10,8 +12,8 @@ namespace megamoe {
 enum class Precision {
   kW4a16,  // bf16 activations, NVFP4 weights decoded exactly, bf16 MMA: the exact path (default)
   kW4a8,   // e4m3 activations and weights rounded to e4m3, fp8 MMA: lossy, for prefill
-  kAuto,   // W4A8 where the heuristic finds it faster, else W4A16. The GPU has no W4A8 kernel
-           // yet, so it resolves to W4A16 at every T there; the CPU reference runs W4A16.
+  kAuto,   // per token count, W4A8 where the build has it and the plan's heuristic finds it
+           // faster, else W4A16 (MoePlan::resolved_precision); the CPU reference runs W4A16
 };
 
 // Every value, in the order messages and help texts list them.

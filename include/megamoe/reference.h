@@ -76,24 +76,14 @@ std::vector<float> moe_forward_f32(const MoeLayer& layer, std::span<const uint16
                                    int64_t tokens, const TopK& topk,
                                    const ForwardOptions& opt = {});
 
-// ---- Tensor parallelism (include/megamoe/tp.h) ---------------------------------------------
-// A TP rank's partial output is moe_forward_f32 of its slice, tp_local_layer(layer, {R, r}), with
-// the same tokens and top-k as the whole layer (unchanged: each routing weight multiplies the
-// rank's partial y of that expert, the shared expert's partial gets weight 1 on every rank). Its
-// fp32 values are the rank's double sums rounded once, as a GPU rank's MoeRunArgs::output_f32 is
-// its fp32 sum.
-//
-// The layer's output from the R partials ([T, H] fp32 each, given in rank order): Σ_r partial[r]
-// in double, ranks in order 0..R-1, rounded once (to bf16 here, to fp32 in tp_combine_f32).
-// Deterministic; each partial has 24 significant bits, so the double sum of R <= 8 of them is exact
-// unless their binary exponents differ by more than 26. Non-finite partials propagate.
-// Against the whole layer the result is not bitwise: the whole layer rounds one double sum S,
-// here each rank rounds its part P_r to fp32 first (error <= 2^-24·|P_r|), and the double sums
-// are associated per rank (each term exact, so that reassociation costs ~2^-53 per term). Hence
-// |tp_combine_f32 - moe_forward_f32| <= 2^-24·(Σ_r |partial_r| + |one| + |other|) + that
-// reassociation; after the bf16 rounding an element differs by at most one bf16 ulp (only where
-// the two straddle a rounding boundary) unless the partials cancel to below 2^-15 of Σ|P_r|. An engine's fp32 all-reduce adds at most
-// ·2^-24·Σ_r |partial_r| more: within docs/design.md §2's "match to the bf16 rounding".
+// ---- Tensor parallelism (megamoe/tp.h) -----------------------------------------------------
+// A TP rank's partial output is moe_forward_f32 of tp_local_layer(layer, {R, r}) with the whole
+// layer's tokens and top-k. tp_combine sums the R partials ([T, H] fp32 each, in rank order) in
+// double, ranks 0..R-1, and rounds once (to bf16; to fp32 in tp_combine_f32); deterministic,
+// non-finite partials propagate. Not bitwise the whole layer's result: an element a of
+// tp_combine_f32 and b of moe_forward_f32 differ by at most 2^-24·(Σ_r |partial_r| + |a| + |b|)
+// plus ~2^-53 per term of reassociation; after the bf16 rounding by at most one bf16 ulp unless
+// the partials cancel to below 2^-15 of Σ_r |partial_r| (docs/design.md §7.1).
 // Throws kInvalidArgument when there are no partials or their sizes differ.
 std::vector<uint16_t> tp_combine(std::span<const std::vector<float>> partials);
 std::vector<float> tp_combine_f32(std::span<const std::vector<float>> partials);

@@ -1,26 +1,13 @@
-// Tensor parallelism (TP) of a MoE layer: R ranks each hold a slice of EVERY expert's intermediate
-// dimension I and see every token; rank r's layer computes a partial output, and the layer's
-// output is the sum of the R partials (docs/design.md §7.1).
-//
-// Rank r of R holds, for every routed expert (intermediate size I) and for the shared expert (its
-// own intermediate size Is, sliced the same way):
+// Tensor parallelism (TP) of a MoE layer: rank r of R holds a slice of every expert's intermediate
+// dimension and sees every token. For every routed expert (I) and for the shared expert (its own
+// Is, sliced the same way) it holds
 //   gate_proj, up_proj  rows    [r·I/R, (r+1)·I/R) of [I, H]  (codes [I/R, H/2], scales [I/R, H/16])
 //   down_proj           columns [r·I/R, (r+1)·I/R) of [H, I]  (codes [H, I/(2R)], scales [H, I/(16R)])
-// Global scales, input scales, the router and the routing configuration are unchanged: every rank
-// routes every token the same way.
-//
-// Why the sum of the partials is the layer: each element of the SwiGLU output a_i = silu(g_i)·u_i
-// depends only on row i of gate and of up (the optional clamp is element-wise too), so slicing I
-// changes no a_i; the down projection y = a·W_downᵀ is a sum over I, split into R partial sums;
-// routing weights and the shared expert's weight 1 distribute over that sum. Only the association
-// of the fp32 sums changes (docs/design.md §2: fp32 sums, one bf16 rounding at the end): each rank
-// keeps its partial in fp32 (MoeRunArgs::output_f32 on the GPU, reference::moe_forward_f32 on the
-// CPU), the partials are summed, and the sum is rounded to bf16 once (reference::tp_combine).
-//
-// Built: the slicing, the loader of one rank's slice and the CPU reference of the combine. Not
-// built yet (issue 37): the GPU all-reduce over a communicator and `megamoe run --tp`; an engine
-// runs the sliced layer on one GPU with MoeRunArgs::output_f32 and all-reduces the fp32 partials
-// itself.
+// with the global scales, input scales, router and routing configuration unchanged, so every rank
+// routes every token the same way. A rank's layer gives a partial output, kept in fp32
+// (MoeRunArgs::output_f32; reference::moe_forward_f32 on the CPU); the layer's output is the sum
+// of the R partials rounded to bf16 once (reference::tp_combine). Summing the partials across
+// ranks is the caller's. Why that sum is the layer, and its numerics: docs/design.md §7.1.
 #pragma once
 
 #include <cstdint>
@@ -33,10 +20,8 @@ namespace megamoe {
 
 // The ranks of one host (as expert parallelism: EpConfig::world_size).
 inline constexpr int kTpMaxRanks = 8;
-// I/R (and Is/R) must be a multiple of this: the sm90 kernels' rule for intermediate_size
-// (MoePlan: a positive multiple of 64). The NVFP4 format alone needs 16 (whole ue4m3 blocks,
-// i.e. whole code and scale bytes of down's K slice); a slice only the CPU reference could run
-// is refused, since a TP rank exists to run on a GPU.
+// I/R (and Is/R) must be a multiple of this: MoePlan's rule for intermediate_size (stricter than
+// the 16 of the NVFP4 format; docs/design.md §7.1).
 inline constexpr int64_t kTpSliceMultiple = 64;
 
 struct TpConfig {
@@ -57,18 +42,9 @@ struct TpRange {
 TpRange tp_range(int64_t size, const TpConfig& tp, const char* what = "intermediate_size");
 
 // Rank tp.rank's slice of every expert of `layer` (see the top of this file). intermediate_size
-// becomes I/R; router, correction bias, routing and clamp are copied unchanged.
-//
-// Memory: gate and up are views into `layer`'s bytes (a row slice of a row-major tensor is
-// contiguous; no copy, `owner` shared), so with a memory-mapped checkpoint only the slice's pages
-// are ever read. down's K slice is strided (I/(2R) of every row's I/2 code bytes, I/(16R) of its
-// I/16 scale bytes), and Nvfp4Linear, like every consumer of it (the reference, format::, the GPU
-// prepack), addresses rows as contiguous [out, in/2]: the slice is copied into an owned buffer,
-// H·I/(2R) + H·I/(16R) bytes per expert, the rank's own share of down and nothing more. (A row
-// stride in Nvfp4Linear would avoid the copy, but every consumer that ignored it would read the
-// wrong bytes silently; the copy is the cheapest representation that cannot be misread.) The GPU
-// upload copies these bytes to the device anyway, so the host copy can be dropped after it.
-//
+// becomes I/R; router, correction bias, routing and clamp are copied unchanged. gate and up are
+// views into `layer`'s bytes (no copy, `owner` shared); down's K slice, strided there, is copied
+// into an owned buffer of H·I/(2R) + H·I/(16R) bytes per expert (droppable once uploaded).
 // Throws megamoe::Error(kInvalidArgument): an invalid layer (MoeLayer::validate) or tp_range's
 // errors for I or the shared expert's Is.
 MoeLayer tp_local_layer(const MoeLayer& layer, const TpConfig& tp);

@@ -269,8 +269,8 @@ int64_t moe_prepare(const at::Tensor& w13, const at::Tensor& w13_scale,
     problem.max_tokens = max_tokens;
     if (swiglu_limit) problem.swiglu_limit = static_cast<float>(*swiglu_limit);
     problem.deterministic = deterministic;
-    // A bad name is kInvalidArgument (ValueError); w4a8 fails in MoePlan::create (kUnsupported:
-    // NotImplementedError) until a W4A8 kernel exists.
+    // A bad name is kInvalidArgument (ValueError); a precision that no GPU kernel of this build
+    // serves fails in MoePlan::create (kUnsupported: NotImplementedError).
     problem.precision = parse_precision(precision);
 
     const c10::cuda::CUDAGuard guard(L.device);

@@ -24,8 +24,8 @@ TORCH_LIBRARY(megamoe, m) {
   // Builds the prepared layer of fused_moe_nvfp4 once (plan for max_tokens, prepacked weights,
   // workspace): copies the stacked tensors to the host, checks every scale, prepacks, uploads and
   // synchronises. Not for a forward pass. Returns the handle. `precision` is the plan's
-  // (megamoe/precision.h): "w4a16" (exact, the default), "w4a8" (NotImplementedError: no W4A8 GPU
-  // kernel in this build yet) or "auto" (w4a16 until that kernel exists); anything else ValueError.
+  // (megamoe/precision.h): "w4a16" (exact, the default), "w4a8" or "auto"; a precision that no GPU
+  // kernel of this build serves raises NotImplementedError, any other name ValueError.
   m.def(
       "moe_prepare(Tensor w13, Tensor w13_scale, Tensor w13_scale_2, Tensor w2, "
       "Tensor w2_scale, Tensor w2_scale_2, *, int top_k, int max_tokens, "

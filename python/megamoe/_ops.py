@@ -26,7 +26,7 @@ torch.ops.load_library(_library_path())
 ops = torch.ops.megamoe
 
 # The precision names every API takes (megamoe/precision.h): "w4a16" is the exact path and the
-# default; "w4a8" has no GPU kernel in this build yet; "auto" resolves to w4a16 until it has.
+# default. Which of them a build runs on the GPU: README "Precision".
 PRECISIONS = ("w4a16", "w4a8", "auto")
 
 
@@ -152,8 +152,8 @@ def prepare_moe(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, *, top_k:
     holds the prepacked copy beside the stacked tensors. ``shared_expert`` is
     ``(shared_w13, shared_w13_scale, shared_w13_scale_2, shared_w2, shared_w2_scale,
     shared_w2_scale_2)`` or None. ``precision`` is one of :data:`PRECISIONS`: "w4a16" (exact),
-    "w4a8" (raises NotImplementedError: no W4A8 GPU kernel in this build yet) or "auto" (w4a16
-    until that kernel exists).
+    "w4a8" or "auto" (per batch size, w4a8 where it runs and is faster, else w4a16); a precision
+    that no GPU kernel of this build serves raises NotImplementedError.
     """
     return MoeHandle(ops.moe_prepare(
         w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, top_k=int(top_k),

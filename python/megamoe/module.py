@@ -36,9 +36,9 @@ class NVFP4MoE(torch.nn.Module):
     Batches larger than ``max_tokens`` run in chunks of ``max_tokens``.
 
     ``precision`` is the GEMMs' arithmetic, fixed when the layer is prepared: "w4a16" (exact, the
-    default), "w4a8" (fp8 activations, docs/w4a8.md; this build has no W4A8 GPU kernel yet, so
-    preparing raises NotImplementedError) or "auto" (w4a8 where it is faster: w4a16 until that
-    kernel exists; :meth:`describe` shows the precision a batch size runs at).
+    default), "w4a8" (fp8 activations, docs/w4a8.md) or "auto" (per batch size, w4a8 where it runs
+    and is faster, else w4a16; :meth:`describe` shows the precision a batch size runs at). A
+    precision that no GPU kernel of this build serves makes preparing raise NotImplementedError.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
