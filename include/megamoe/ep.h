@@ -49,7 +49,7 @@ struct EpConfig {
   int64_t max_tokens_per_rank = 0;   // the largest T any rank passes to run()
   double timeout_seconds = 60.0;     // a barrier that waits longer fails the run (check())
   // The GEMMs' arithmetic on every rank: MoeProblem::precision of the rank's plans, validated the
-  // same way (kW4a8 makes create() throw kUnsupported: this build has no W4A8 GPU kernel yet).
+  // same way (a precision no GPU kernel serves makes create() throw kUnsupported).
   Precision precision = Precision::kW4a16;
 };
 

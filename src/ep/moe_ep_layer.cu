@@ -1,12 +1,16 @@
 // MoeEpLayer (include/megamoe/ep.h): one rank of the expert-parallel layer. The local work runs
 // on the single-GPU pipeline (MoePlan + run, fp32 output); the exchange around it is
-// sm90_ep_exchange.cuh over the symmetric window of ep_comm.h.
+// sm90_ep_exchange.cuh over the windows of a transport (ep_transport.h), laid out as
+// ep_window_layout.h says.
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <utility>
+#include <vector>
 
-#include "ep/ep_comm.h"
+#include "ep/ep_transport.h"
+#include "ep/ep_window_layout.h"
 #include "kernels/sm90/sm90_ep_exchange.cuh"
 #include "megamoe/ep.h"
 #include "megamoe/runtime.h"
@@ -19,9 +23,9 @@ namespace k90 = kernels::sm90;
 using gpu::check_cuda;
 
 EpExpertRange ep_expert_range(int64_t num_experts, int world_size, int rank) {
-  MEGAMOE_CHECK(world_size >= 1 && world_size <= k90::kEpMaxRanks && rank >= 0 && rank < world_size,
+  MEGAMOE_CHECK(world_size >= 1 && world_size <= ep::kMaxRanks && rank >= 0 && rank < world_size,
                 kInvalidArgument, "expert parallelism: rank ", rank, " of world size ", world_size,
-                " is out of range (world size 1..", k90::kEpMaxRanks, ")");
+                " is out of range (world size 1..", ep::kMaxRanks, ")");
   MEGAMOE_CHECK(num_experts >= 1 && num_experts % world_size == 0, kInvalidArgument, "expert parallelism: ",
                 num_experts, " routed experts do not split evenly over ", world_size,
                 " ranks; the number of experts must be a multiple of the world size");
@@ -68,8 +72,6 @@ struct DeviceAllocs {
   }
 };
 
-int64_t align256(int64_t b) { return (b + 255) / 256 * 256; }
-
 }  // namespace
 
 struct MoeEpLayer::Impl {
@@ -77,8 +79,8 @@ struct MoeEpLayer::Impl {
   EpExpertRange range;
   int64_t num_experts = 0, hidden = 0;
   int top_k = 0;
-  std::unique_ptr<ep::SymmetricComm> comm;
-  k90::EpWindowLayout layout{};
+  std::unique_ptr<ep::EpTransport> transport;
+  ep::EpWindowLayout layout{};
   std::optional<MoePlan> routed_plan, shared_plan;
   std::optional<MoeDeviceWeights> routed_weights, shared_weights;
   DeviceAllocs mem;
@@ -88,7 +90,7 @@ struct MoeEpLayer::Impl {
   float* shared_w = nullptr;      // [max_t] ones
   float* local_out = nullptr;     // [R * max_t, H]
   float* shared_out = nullptr;    // [max_t, H]
-  uint64_t* epochs = nullptr;     // [2]
+  uint64_t* epochs = nullptr;     // [ep::kBarriers]
   int32_t* invalid = nullptr;     // [1]
   int32_t* error_host = nullptr;  // host-mapped
   int32_t* error_dev = nullptr;
@@ -166,27 +168,20 @@ MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, 
   }
   m.routed_ws = m.mem.alloc<uint8_t>(m.routed_plan->workspace_bytes());
   m.local_out = m.mem.alloc<float>(static_cast<size_t>(R * max_t * H));
-  m.epochs = m.mem.alloc<uint64_t>(2);
+  m.epochs = m.mem.alloc<uint64_t>(ep::kBarriers);
   m.invalid = m.mem.alloc<int32_t>(1);
-  check_cuda(cudaMemset(m.epochs, 0, 16), "cudaMemset");
+  check_cuda(cudaMemset(m.epochs, 0, ep::kBarriers * sizeof(uint64_t)), "cudaMemset");
   check_cuda(cudaHostAlloc(&m.error_host, sizeof(int32_t), cudaHostAllocMapped), "cudaHostAlloc(error word)");
   *m.error_host = 0;
   check_cuda(cudaHostGetDevicePointer(&m.error_dev, m.error_host, 0), "cudaHostGetDevicePointer");
 
-  // The symmetric window: the same layout on every rank.
-  int64_t off = 0;
-  auto take = [&](int64_t bytes) {
-    const int64_t at = off;
-    off += align256(bytes);
-    return at;
-  };
-  m.layout.flags = take(2 * k90::kEpMaxRanks * 8);
-  m.layout.recv_x = take(R * max_t * H * 2);
-  m.layout.recv_ids = take(R * max_t * k * 4);
-  m.layout.recv_w = take(R * max_t * k * 4);
-  m.layout.ret = take(R * max_t * H * 4);
-  m.layout.bytes = off;
-  m.comm = std::make_unique<ep::SymmetricComm>(id, R, config.rank, static_cast<size_t>(off), config.timeout_seconds);
+  // The windows: the same layout on every rank.
+  m.layout = ep::ep_window_layout(R, max_t, H, k);
+  m.transport = ep::make_transport(config, id);
+  MEGAMOE_CHECK(m.transport->rank() == config.rank && m.transport->world_size() == R, kInternal,
+                "expert parallelism: the transport is rank ", m.transport->rank(), " of ",
+                m.transport->world_size(), ", the layer rank ", config.rank, " of ", R);
+  m.transport->allocate_window(static_cast<size_t>(m.layout.bytes), ep::kFlagWords);
   check_cuda(cudaDeviceSynchronize(), "MoeEpLayer::create");
   return out;
 }
@@ -194,7 +189,7 @@ MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, 
 size_t MoeEpLayer::device_bytes() const {
   const Impl& m = *impl_;
   return m.mem.bytes + m.routed_weights->device_bytes() + (m.shared_weights ? m.shared_weights->device_bytes() : 0) +
-         m.comm->window_bytes();
+         m.transport->window_bytes();
 }
 
 void MoeEpLayer::run(const MoeRunArgs& args, cudaStream_t stream) {
@@ -213,11 +208,8 @@ void MoeEpLayer::run(const MoeRunArgs& args, cudaStream_t stream) {
                 kInvalidArgument, "MoeEpLayer::run: hidden and output must be 16-byte aligned");
 
   k90::EpExchangeParams p{};
-  const std::vector<char*>& peers = m.comm->peer_bases();
-  for (int r = 0; r < R; ++r) p.peer[r] = peers[static_cast<size_t>(r)];
+  p.peers = m.transport->peers();
   p.layout = m.layout;
-  p.world = R;
-  p.rank = m.cfg.rank;
   p.max_t = max_t;
   p.hidden = H;
   p.top_k = m.top_k;
@@ -243,10 +235,11 @@ void MoeEpLayer::run(const MoeRunArgs& args, cudaStream_t stream) {
   check_cuda(cudaGetLastError(), "ep_barrier_kernel launch");
 
   // This rank's experts on every row it may have received (rows not sent here carry ids -1).
+  const char* window = m.transport->local_base();
   MoeRunArgs local{};
-  local.hidden = reinterpret_cast<const uint16_t*>(peers[static_cast<size_t>(m.cfg.rank)] + m.layout.recv_x);
-  local.topk_ids = reinterpret_cast<const int32_t*>(peers[static_cast<size_t>(m.cfg.rank)] + m.layout.recv_ids);
-  local.topk_weights = reinterpret_cast<const float*>(peers[static_cast<size_t>(m.cfg.rank)] + m.layout.recv_w);
+  local.hidden = reinterpret_cast<const uint16_t*>(window + m.layout.recv_x);
+  local.topk_ids = reinterpret_cast<const int32_t*>(window + m.layout.recv_ids);
+  local.topk_weights = reinterpret_cast<const float*>(window + m.layout.recv_w);
   local.tokens = R * max_t;
   local.output_f32 = m.local_out;
   local.workspace = m.routed_ws;

@@ -1,14 +1,20 @@
 // The host-side pieces of expert parallelism (include/megamoe/ep.h) that need no GPU: the expert
-// split, the rank's local layer and the unique id's text form. The multi-GPU runs are in
-// tests/cpu/test_tool.cpp (ToolSynth.RunExpertParallelMatchesReference, skipped below 2 GPUs).
+// split, the rank's local layer, the unique id's text form, the window layout and the transport
+// factory's argument checks. The multi-GPU runs are in tests/cpu/test_tool.cpp
+// (ToolSynth.RunExpertParallelMatchesReference, skipped below 2 GPUs).
 #include <gtest/gtest.h>
 
 #if MEGAMOE_HAS_EP
 
 #include <cctype>
+#include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
+#include "ep/ep_transport.h"
+#include "ep/ep_transport_nccl.h"
+#include "ep/ep_window_layout.h"
 #include "megamoe/ep.h"
 #include "megamoe/moe.h"
 #include "megamoe/status.h"
@@ -84,6 +90,84 @@ TEST(ExpertParallel, UniqueIdRoundTripsThroughHex) {
   EXPECT_EQ(EpUniqueId::from_hex(upper).bytes, id.bytes);
   EXPECT_THROW(EpUniqueId::from_hex(hex.substr(1)), Error);
   EXPECT_THROW(EpUniqueId::from_hex(std::string(255, '0') + "g"), Error);
+}
+
+TEST(ExpertParallel, WindowLayoutByHand) {
+  // R = 2 sources of max_t = 3 rows, H = 64, k = 4: recv_x 768 B, recv_ids and recv_w 96 B each
+  // (256 with alignment), ret 1536 B.
+  constexpr ep::EpWindowLayout l = ep::ep_window_layout(2, 3, 64, 4);
+  EXPECT_EQ(l.recv_x, 0);
+  EXPECT_EQ(l.recv_ids, 768);
+  EXPECT_EQ(l.recv_w, 1024);
+  EXPECT_EQ(l.ret, 1280);
+  EXPECT_EQ(l.bytes, 2816);
+  // The barriers' slots: one per (barrier, source) for the largest world; the area is rounded so
+  // that the data bytes after it stay 256-byte aligned.
+  EXPECT_EQ(ep::kFlagWords, 16u);
+  EXPECT_EQ(ep::flag_area_bytes(ep::kFlagWords), 256u);
+  EXPECT_EQ(ep::flag_area_bytes(0), 0u);
+  EXPECT_EQ(ep::flag_area_bytes(1), 256u);
+  EXPECT_EQ(ep::flag_area_bytes(32), 256u);
+  EXPECT_EQ(ep::flag_area_bytes(33), 512u);
+}
+
+// For every shape: each buffer 256-byte aligned, as large as its rows need, after the previous one
+// with less than 256 bytes of padding between, and the window just large enough.
+TEST(ExpertParallel, WindowLayoutHoldsEveryBuffer) {
+  for (int R = 1; R <= ep::kMaxRanks; ++R) {
+    for (int64_t max_t : {1, 7, 512, 65536}) {
+      for (int64_t H : {8, 2048, 7168}) {
+        for (int k : {1, 6, 8}) {
+          SCOPED_TRACE(testing::Message() << "R=" << R << " max_t=" << max_t << " H=" << H << " k=" << k);
+          const ep::EpWindowLayout l = ep::ep_window_layout(R, max_t, H, k);
+          const int64_t rows = R * max_t;
+          const int64_t offsets[] = {l.recv_x, l.recv_ids, l.recv_w, l.ret, l.bytes};
+          const int64_t sizes[] = {rows * H * 2, rows * k * 4, rows * k * 4, rows * H * 4};
+          EXPECT_EQ(offsets[0], 0);
+          for (int i = 0; i < 4; ++i) {
+            EXPECT_EQ(offsets[i] % 256, 0) << "buffer " << i;
+            const int64_t end = offsets[i] + sizes[i];
+            EXPECT_GE(offsets[i + 1], end) << "buffer " << i << " overlaps the next";
+            EXPECT_LT(offsets[i + 1] - end, 256) << "buffer " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The factory rejects a rank, world size or timeout out of range before it calls NCCL (no GPU
+// is needed to get these errors).
+TEST(ExpertParallel, TransportFactoryChecksItsArguments) {
+  const EpUniqueId id;
+  auto code_of = [&](int world, int rank, double timeout) {
+    EpConfig config;
+    config.world_size = world;
+    config.rank = rank;
+    config.timeout_seconds = timeout;
+    try {
+      ep::make_nccl_transport(config, id);
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("expert parallelism"), std::string::npos) << e.what();
+      return e.code();
+    }
+    ADD_FAILURE() << "world " << world << ", rank " << rank << ", timeout " << timeout << " was accepted";
+    return ErrorCode::kInternal;
+  };
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::nan("");
+  EXPECT_EQ(code_of(0, 0, 60), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(code_of(ep::kMaxRanks + 1, 0, 60), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(code_of(4, -1, 60), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(code_of(4, 4, 60), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(code_of(2, 1, 0), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(code_of(2, 1, -1), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(code_of(2, 1, inf), ErrorCode::kInvalidArgument);
+  EXPECT_EQ(code_of(2, 1, nan), ErrorCode::kInvalidArgument);
+  // make_transport, the layer's entry, checks the same.
+  EpConfig bad;
+  bad.world_size = 2;
+  bad.rank = 2;
+  EXPECT_THROW(ep::make_transport(bad, id), Error);
 }
 
 }  // namespace

@@ -1,33 +1,22 @@
 // The expert-parallel exchange kernels (include/megamoe/ep.h): dispatch of tokens to the ranks
 // that own their experts, a bounded barrier, the return of weighted fp32 partial sums, and the
-// final combine. Peers' buffers are reached through their symmetric-window base pointers (LSA:
-// plain loads and stores over NVLink), resolved once at setup (src/ep/ep_comm.cu).
-//
-// Each rank's window (EpWindowLayout, identical on every rank):
-//   flags      [2 barriers][R sources] uint64: the epoch a source has reached
-//   recv_x     [R sources][max_t][H] bf16: the tokens each source sent here
-//   recv_ids   [R][max_t][k] int32: their top-k ids as this rank's local expert ids, -1 elsewhere
-//   recv_w     [R][max_t][k] fp32: their routing weights
-//   ret        [R][max_t][H] fp32: this rank's tokens' partial sums, as each rank returns them
+// final combine. Peers' windows are reached through the plain device pointers a transport hands
+// out (EpPeerWindows, src/ep/ep_transport.h): loads and stores, whatever the transport. What
+// each window holds is EpWindowLayout and the barriers' signal words (src/ep/ep_window_layout.h).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cstdint>
 
+#include "ep/ep_transport.h"
+#include "ep/ep_window_layout.h"
 #include "kernels/common/ptx_atomics.cuh"
 
 namespace megamoe::kernels::sm90 {
 
-inline constexpr int kEpMaxRanks = 8;
-
-struct EpWindowLayout {
-  int64_t flags, recv_x, recv_ids, recv_w, ret, bytes;
-};
-
 struct EpExchangeParams {
-  char* peer[kEpMaxRanks];  // every rank's window base, this rank's included
-  EpWindowLayout layout;
-  int32_t world, rank;
+  ep::EpPeerWindows peers;  // every rank's window and signal words, this rank, the world size
+  ep::EpWindowLayout layout;
   int64_t max_t;            // rows per source in the receive buffers
   int64_t hidden;           // H, a multiple of 8
   int32_t top_k;
@@ -44,7 +33,7 @@ struct EpExchangeParams {
   const float* shared_out;  // [max_t, H] fp32: the shared expert on this rank's tokens, or null
   __nv_bfloat16* out;       // [T, H] bf16
   // Barrier state.
-  uint64_t* epochs;         // [2] this rank's barrier epochs (device memory)
+  uint64_t* epochs;         // [kBarriers] this rank's barrier epochs (device memory)
   int32_t* error;           // host-mapped: nonzero once a barrier timed out
   uint64_t timeout_ns;
 };
@@ -65,12 +54,12 @@ __global__ void __launch_bounds__(256) ep_dispatch_kernel(EpExchangeParams p) {
   const int lane = threadIdx.x % 32;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
-  const int64_t rows = p.max_t * p.world;
+  const int64_t rows = p.max_t * p.peers.world;
   for (int64_t item = warp; item < rows; item += warps) {
-    const int d = static_cast<int>(item % p.world);
-    const int64_t t = item / p.world;
-    char* const base = p.peer[d];
-    const int64_t row = static_cast<int64_t>(p.rank) * p.max_t + t;  // this rank's block at d
+    const int d = static_cast<int>(item % p.peers.world);
+    const int64_t t = item / p.peers.world;
+    char* const base = p.peers.base[d];
+    const int64_t row = static_cast<int64_t>(p.peers.rank) * p.max_t + t;  // this rank's block at d
     int32_t* ids = reinterpret_cast<int32_t*>(base + p.layout.recv_ids) + row * p.top_k;
     float* w = reinterpret_cast<float*>(base + p.layout.recv_w) + row * p.top_k;
     int32_t local = -1;
@@ -113,14 +102,13 @@ __global__ void ep_barrier_kernel(EpExchangeParams p, int which) {
   if (*reinterpret_cast<volatile int32_t*>(p.error) != 0) return;
   __threadfence_system();
   const uint64_t epoch = p.epochs[which] + 1;
-  for (int d = 0; d < p.world; ++d) {
-    uint64_t* flag = reinterpret_cast<uint64_t*>(p.peer[d] + p.layout.flags) + which * kEpMaxRanks + p.rank;
-    ptx::st_release_sys(flag, epoch);
+  for (int d = 0; d < p.peers.world; ++d) {
+    ptx::st_release_sys(p.peers.flags[d] + which * ep::kMaxRanks + p.peers.rank, epoch);
   }
-  const uint64_t* mine = reinterpret_cast<const uint64_t*>(p.peer[p.rank] + p.layout.flags) + which * kEpMaxRanks;
+  const uint64_t* mine = p.peers.flags[p.peers.rank] + which * ep::kMaxRanks;
   const uint64_t start = ptx::global_timer_ns();
   int32_t failure = 0;
-  for (int s = 0; s < p.world && failure == 0; ++s) {
+  for (int s = 0; s < p.peers.world && failure == 0; ++s) {
     for (;;) {
       const uint64_t seen = ptx::ld_acquire_sys(mine + s);
       if (seen & kEpPoisonFlag) {
@@ -136,9 +124,8 @@ __global__ void ep_barrier_kernel(EpExchangeParams p, int which) {
     }
   }
   if (failure != 0) {
-    for (int d = 0; d < p.world; ++d) {
-      uint64_t* flag = reinterpret_cast<uint64_t*>(p.peer[d] + p.layout.flags) + which * kEpMaxRanks + p.rank;
-      ptx::st_release_sys(flag, kEpPoisonFlag);
+    for (int d = 0; d < p.peers.world; ++d) {
+      ptx::st_release_sys(p.peers.flags[d] + which * ep::kMaxRanks + p.peers.rank, kEpPoisonFlag);
     }
     atomicExch(p.error, failure);
     __threadfence_system();
@@ -152,15 +139,15 @@ __global__ void __launch_bounds__(256) ep_return_kernel(EpExchangeParams p) {
   const int lane = threadIdx.x % 32;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
-  const int32_t* recv_ids = reinterpret_cast<const int32_t*>(p.peer[p.rank] + p.layout.recv_ids);
-  for (int64_t row = warp; row < p.max_t * p.world; row += warps) {
+  const int32_t* recv_ids = reinterpret_cast<const int32_t*>(p.peers.base[p.peers.rank] + p.layout.recv_ids);
+  for (int64_t row = warp; row < p.max_t * p.peers.world; row += warps) {
     const bool mine = lane < p.top_k && recv_ids[row * p.top_k + lane] >= 0;
     if (!__any_sync(0xffffffffu, mine)) continue;
     const int s = static_cast<int>(row / p.max_t);
     const int64_t t = row % p.max_t;
     const float4* src = reinterpret_cast<const float4*>(p.local_out + row * p.hidden);
-    float4* dst = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.peer[s] + p.layout.ret) +
-                                            (static_cast<int64_t>(p.rank) * p.max_t + t) * p.hidden);
+    float4* dst = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.peers.base[s] + p.layout.ret) +
+                                            (static_cast<int64_t>(p.peers.rank) * p.max_t + t) * p.hidden);
     for (int64_t i = lane; i < p.hidden / 4; i += 32) dst[i] = src[i];
   }
   __threadfence_system();
@@ -170,7 +157,7 @@ __global__ void __launch_bounds__(256) ep_return_kernel(EpExchangeParams p) {
 // of their partial sums, then the shared expert, rounded to bf16 once.
 __global__ void __launch_bounds__(256) ep_combine_kernel(EpExchangeParams p) {
   __shared__ uint32_t dest_mask;
-  const float* ret = reinterpret_cast<const float*>(p.peer[p.rank] + p.layout.ret);
+  const float* ret = reinterpret_cast<const float*>(p.peers.base[p.peers.rank] + p.layout.ret);
   for (int64_t t = blockIdx.x; t < p.tokens; t += gridDim.x) {
     if (threadIdx.x == 0) dest_mask = 0;
     __syncthreads();
@@ -182,7 +169,7 @@ __global__ void __launch_bounds__(256) ep_combine_kernel(EpExchangeParams p) {
     const uint32_t mask = dest_mask;
     for (int64_t v = threadIdx.x; v < p.hidden / 4; v += blockDim.x) {
       float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int d = 0; d < p.world; ++d) {
+      for (int d = 0; d < p.peers.world; ++d) {
         if (!(mask >> d & 1u)) continue;
         const float4 y = reinterpret_cast<const float4*>(ret + (static_cast<int64_t>(d) * p.max_t + t) * p.hidden)[v];
         sum.x += y.x; sum.y += y.y; sum.z += y.z; sum.w += y.w;
