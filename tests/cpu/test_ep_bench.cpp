@@ -4,7 +4,6 @@
 // (tools/megamoe/ep_launch.h), run on /bin/sh children. The GPU runs are in test_tool.cpp
 // (ToolSynth.BenchExpertParallel, skipped below 2 GPUs).
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -19,6 +18,7 @@
 #include "bench/ep_bench_model.h"
 #include "megamoe/presets.h"
 #include "megamoe/status.h"
+#include "tests/common/test_util.h"
 #include "tools/megamoe/ep_launch.h"
 
 namespace megamoe::bench {
@@ -385,14 +385,8 @@ TEST(EpLaunch, RankEnvironmentNeverAllowsMulticast) {
   EXPECT_EQ(tool::ep_rank_environment(nullptr).size(), 3u);
 }
 
-class EpLaunchRuns : public testing::Test {
+class EpLaunchRuns : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("megamoe-ep-launch-" + std::to_string(getpid()) + "-" +
-                                        testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
   // Rank r runs `sh -c SCRIPT r` ($1 is the rank).
   tool::EpRankLaunch shell(const std::string& script, int world) {
     tool::EpRankLaunch l;
@@ -402,7 +396,8 @@ class EpLaunchRuns : public testing::Test {
     l.rank_argv = [script](int r) { return std::vector<std::string>{"sh", "-c", script, "sh", std::to_string(r)}; };
     return l;
   }
-  fs::path dir_;
+  const testing::ScratchDir scratch_{"megamoe_ep_launch"};
+  const fs::path dir_ = scratch_.path();
 };
 
 TEST_F(EpLaunchRuns, EveryRankRunsWithTheForcedEnvironment) {

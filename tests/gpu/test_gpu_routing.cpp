@@ -18,13 +18,12 @@
 #include "megamoe/reference.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
+#include "tests/common/test_util.h"
 
 namespace megamoe {
 namespace {
 
 using testing::DeviceBuffer;
-
-unsigned fresh_seed() { return std::random_device{}(); }
 
 struct Routed {
   std::vector<int32_t> ids;
@@ -53,7 +52,7 @@ Routed run_gpu(const RoutingConfig& cfg, const std::vector<float>& logits, int64
 
 // Logits [T, E]: normal with a scale drawn per token (0.25 .. 8), so some rows are nearly flat
 // and others peaked.
-std::vector<float> random_logits(std::mt19937& rng, int64_t T, int64_t E) {
+std::vector<float> random_logits(testing::Rng& rng, int64_t T, int64_t E) {
   std::normal_distribution<float> n(0.0f, 1.0f);
   std::uniform_real_distribution<float> scale(0.25f, 8.0f);
   std::vector<float> l(static_cast<size_t>(T * E));
@@ -64,7 +63,7 @@ std::vector<float> random_logits(std::mt19937& rng, int64_t T, int64_t E) {
   return l;
 }
 
-std::vector<float> random_bias(std::mt19937& rng, int64_t E) {
+std::vector<float> random_bias(testing::Rng& rng, int64_t E) {
   std::uniform_real_distribution<float> u(-0.1f, 0.1f);
   std::vector<float> b(static_cast<size_t>(E));
   for (auto& v : b) v = u(rng);
@@ -147,9 +146,9 @@ TEST_P(GpuRoutingCases, RandomLogitsMatchReference) {
   const Case& c = GetParam();
   const RoutingConfig cfg = config_of(c);
   for (int64_t T : {1, 3, 17, 1000}) {
-    const unsigned seed = fresh_seed();
-    SCOPED_TRACE(::testing::Message() << describe(cfg, T, c.E, c.bias) << " seed=" << seed);
-    std::mt19937 rng(seed);
+    SCOPED_TRACE(describe(cfg, T, c.E, c.bias));
+    const testing::SeedTrace seed;
+    testing::Rng rng(seed);
     const auto logits = random_logits(rng, T, c.E);
     const auto bias = c.bias ? random_bias(rng, c.E) : std::vector<float>{};
     expect_matches_reference(cfg, logits, T, c.E, bias);
@@ -162,10 +161,10 @@ TEST_P(GpuRoutingCases, TiesGoToTheLowerIndexAsInTheReference) {
   MEGAMOE_REQUIRE_GPU();
   const Case& c = GetParam();
   const RoutingConfig cfg = config_of(c);
-  const unsigned seed = fresh_seed();
   const int64_t T = 257;
-  SCOPED_TRACE(::testing::Message() << describe(cfg, T, c.E, c.bias) << " seed=" << seed);
-  std::mt19937 rng(seed);
+  SCOPED_TRACE(describe(cfg, T, c.E, c.bias));
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   std::uniform_int_distribution<int> pick(0, 4);
   std::vector<float> logits(static_cast<size_t>(T * c.E));
   for (auto& l : logits) l = 0.5f * static_cast<float>(pick(rng) - 2);  // {-1, -0.5, 0, 0.5, 1}
@@ -230,7 +229,8 @@ TEST(GpuRouting, NoauxAllSigmoidsUnderflowGiveZeroWeights) {
 TEST(GpuRouting, NonFiniteLogitsStillGiveDistinctValidIds) {
   MEGAMOE_REQUIRE_GPU();
   const int64_t T = 64, E = 32;
-  std::mt19937 rng(fresh_seed());
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   auto logits = random_logits(rng, T, E);
   const float specials[] = {NAN, INFINITY, -INFINITY};
   for (size_t i = 0; i < logits.size(); i += 3) logits[i] = specials[(i / 3) % 3];
@@ -265,7 +265,8 @@ TEST(GpuRouting, ZeroTokensIsANoOp) {
 TEST(GpuRouting, GraphReplayEqualsEager) {
   MEGAMOE_REQUIRE_GPU();
   const int64_t T = 300, E = 256;
-  std::mt19937 rng(fresh_seed());
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   const auto logits = random_logits(rng, T, E);
   const auto bias = random_bias(rng, E);
   RoutingConfig cfg;
