@@ -139,14 +139,7 @@ TEST(EpBenchOptions, RankSetupRoundTripsThroughJson) {
 // {1, 2} (both ranks). Rank 1: token 0 -> {2, 3} (rank 1 only), token 1 -> {0, 3} (both), token 2
 // -> {3, -1} (an invalid id is ignored: rank 1 only).
 EpShape tiny_shape() {
-  EpShape s;
-  s.hidden = 64;
-  s.intermediate = 32;
-  s.shared_intermediate = 64;
-  s.num_experts = 4;
-  s.top_k = 2;
-  s.world = 2;
-  return s;
+  return {.hidden = 64, .intermediate = 32, .shared_intermediate = 64, .num_experts = 4, .top_k = 2, .world = 2};
 }
 const std::vector<std::vector<int32_t>> kTinyIds = {{0, 1, 1, 2}, {2, 3, 0, 3, 3, -1}};
 
@@ -216,13 +209,12 @@ TEST(EpBenchTraffic, FloorIsTheLargestOfHbmMmaAndNvlink) {
 // ~9 experts' bytes (~72 µs on an H100), at 4096 by the MMA (~4.2 ms), whatever R.
 TEST(EpBenchTraffic, DeepseekFloorsMatchTheIssueTable) {
   const ModelPreset& p = find_preset("deepseek-v3");
-  EpShape shape;
-  shape.hidden = p.hidden_size;
-  shape.intermediate = p.intermediate_size;
-  shape.shared_intermediate = p.intermediate_size;
-  shape.num_experts = p.num_experts;
-  shape.top_k = p.top_k;
-  shape.world = 2;
+  const EpShape shape{.hidden = p.hidden_size,
+                      .intermediate = p.intermediate_size,
+                      .shared_intermediate = p.intermediate_size,
+                      .num_experts = p.num_experts,
+                      .top_k = p.top_k,
+                      .world = 2};
   EpRates h100{3.01, 786.0, 384.0};
   // One token per rank, experts 0..7 and 128..135: each rank has 8 active.
   const std::vector<std::vector<int32_t>> one = {{0, 1, 2, 3, 4, 5, 6, 7}, {128, 129, 130, 131, 132, 133, 134, 135}};
@@ -312,13 +304,12 @@ TEST(EpBenchWeights, ModelCountsTheBytesSynthWrites) {
 
       // A rank's floor reads its active experts and the shared one: rank 0 of 2 owns experts 0..3,
       // of which its token picks 0 and 2 and rank 1's token 2 and 5.
-      EpShape shape;
-      shape.hidden = p.hidden_size;
-      shape.intermediate = p.intermediate_size;
-      shape.shared_intermediate = n_shared * p.intermediate_size;
-      shape.num_experts = p.num_experts;
-      shape.top_k = 2;
-      shape.world = 2;
+      const EpShape shape{.hidden = p.hidden_size,
+                          .intermediate = p.intermediate_size,
+                          .shared_intermediate = n_shared * p.intermediate_size,
+                          .num_experts = p.num_experts,
+                          .top_k = 2,
+                          .world = 2};
       const auto traffic = ep_traffic(shape, {{0, 2}, {2, 5}});
       const EpFloor floor = ep_rank_floor(shape, traffic[0], EpRates{1.0, 1.0, 1.0});
       EXPECT_EQ(floor.weight_bytes, bytes.routed[0] + bytes.routed[2] + bytes.shared);

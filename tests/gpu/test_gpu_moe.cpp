@@ -295,12 +295,16 @@ TEST(GpuMoe, RejectsTuningThatCannotRun) {
   EXPECT_FALSE(moe_config(MoePlan::create(p, early), 1).early_start);
 }
 
+// A small random layer on the GPU (H 128, I 64, 4 experts, top-2), for the tests of what run()
+// accepts: its values never matter.
+GpuMoe small_gpu_moe(int64_t max_tokens) {
+  testing::Rng rng(testing::fresh_seed());
+  return GpuMoe(testing::random_layer(rng, 128, 64, 4, 2), max_tokens, /*deterministic=*/false);
+}
+
 TEST(GpuMoe, ZeroTokensIsANoOp) {
   MEGAMOE_REQUIRE_GPU();
-  const testing::SeedTrace seed;
-  testing::Rng rng(seed);
-  const MoeLayer layer = testing::random_layer(rng, 128, 64, 4, 2);
-  GpuMoe gpu(layer, 8, false);
+  GpuMoe gpu = small_gpu_moe(8);
   MoeRunArgs args{};
   args.tokens = 0;
   EXPECT_NO_THROW(run(gpu.plan, gpu.weights, args, nullptr));
@@ -481,10 +485,7 @@ TEST(GpuMoe, PrecisionW4a8IsRefusedAndAutoRunsW4a16) {
 
 TEST(GpuMoe, RejectsTooManyTokens) {
   MEGAMOE_REQUIRE_GPU();
-  const testing::SeedTrace seed;
-  testing::Rng rng(seed);
-  const MoeLayer layer = testing::random_layer(rng, 128, 64, 4, 2);
-  GpuMoe gpu(layer, 4, false);
+  GpuMoe gpu = small_gpu_moe(4);
   MoeRunArgs args{};
   args.tokens = 5;
   EXPECT_THROW(run(gpu.plan, gpu.weights, args, nullptr), Error);

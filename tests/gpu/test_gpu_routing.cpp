@@ -129,14 +129,12 @@ struct Case {
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 RoutingConfig config_of(const Case& c) {
-  RoutingConfig cfg;
-  cfg.kind = c.kind;
-  cfg.top_k = c.k;
-  cfg.renormalize = c.renormalize;
-  cfg.n_group = c.n_group;
-  cfg.topk_group = c.topk_group;
-  cfg.routed_scaling_factor = c.scale;
-  return cfg;
+  return {.kind = c.kind,
+          .top_k = c.k,
+          .renormalize = c.renormalize,
+          .n_group = c.n_group,
+          .topk_group = c.topk_group,
+          .routed_scaling_factor = c.scale};
 }
 
 class GpuRoutingCases : public ::testing::TestWithParam<Case> {};
@@ -213,12 +211,8 @@ TEST(GpuRouting, NoauxAllSigmoidsUnderflowGiveZeroWeights) {
   MEGAMOE_REQUIRE_GPU();
   const int64_t T = 3, E = 32;
   const std::vector<float> logits(static_cast<size_t>(T * E), -800.0f);
-  RoutingConfig cfg;
-  cfg.kind = RoutingKind::kNoauxTc;
-  cfg.top_k = 4;
-  cfg.n_group = 4;
-  cfg.topk_group = 2;
-  cfg.routed_scaling_factor = 2.5f;
+  const RoutingConfig cfg{
+      .kind = RoutingKind::kNoauxTc, .top_k = 4, .n_group = 4, .topk_group = 2, .routed_scaling_factor = 2.5f};
   expect_matches_reference(cfg, logits, T, E, {});
   const Routed got = run_gpu(cfg, logits, T, E, {});
   for (float w : got.weights) EXPECT_EQ(w, 0.0f);
@@ -269,12 +263,8 @@ TEST(GpuRouting, GraphReplayEqualsEager) {
   testing::Rng rng(seed);
   const auto logits = random_logits(rng, T, E);
   const auto bias = random_bias(rng, E);
-  RoutingConfig cfg;
-  cfg.kind = RoutingKind::kNoauxTc;
-  cfg.top_k = 8;
-  cfg.n_group = 8;
-  cfg.topk_group = 4;
-  cfg.routed_scaling_factor = 2.5f;
+  const RoutingConfig cfg{
+      .kind = RoutingKind::kNoauxTc, .top_k = 8, .n_group = 8, .topk_group = 4, .routed_scaling_factor = 2.5f};
   const Routed eager = run_gpu(cfg, logits, T, E, bias);
 
   DeviceBuffer<float> d_logits(logits), d_bias(bias);
