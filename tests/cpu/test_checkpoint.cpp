@@ -5,7 +5,6 @@
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -16,7 +15,6 @@
 #include <fstream>
 #include <functional>
 #include <initializer_list>
-#include <iostream>
 #include <limits>
 #include <map>
 #include <optional>
@@ -34,7 +32,8 @@
 #include "megamoe/moe.h"
 #include "megamoe/safetensors.h"
 #include "megamoe/status.h"
-#include "error_matchers.h"
+#include "tests/common/error_matchers.h"
+#include "tests/common/test_util.h"
 
 namespace {
 
@@ -246,24 +245,9 @@ TensorMap layer_tensors(const LayerData& d, Layout layout, DType router_dtype = 
   return m;
 }
 
-// A fresh directory per test, removed at the end; the seed is printed when the test fails.
+// A fresh directory per test, removed at the end, and a fresh seed named in every failure.
 class CheckpointTest : public testing::Test {
  protected:
-  void SetUp() override {
-    seed_ = std::random_device{}();
-    rng_.emplace(seed_);
-    const auto* info = testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("megamoe_ckpt_" + std::string(info->test_suite_name()) + "_" + info->name() + "_" +
-            std::to_string(::getpid()) + "_" + std::to_string(seed_));
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    if (HasFailure()) std::cerr << "random seed of this test: " << seed_ << "\n";
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
-
   // dir_/name/{model.safetensors, config.json}; returns the directory.
   std::string write_checkpoint(const std::string& name, const TensorMap& tensors,
                                const json& config) {
@@ -288,9 +272,10 @@ class CheckpointTest : public testing::Test {
     return megamoe::load_moe_layer(Checkpoint::open(dir), megamoe::load_model_config(dir), layer);
   }
 
-  fs::path dir_;
-  uint32_t seed_ = 0;
-  std::optional<Rng> rng_;
+  const megamoe::testing::ScratchDir scratch_{"megamoe_ckpt"};
+  const fs::path dir_ = scratch_.path();
+  const megamoe::testing::SeedTrace seed_;
+  Rng rng_{static_cast<uint32_t>(seed_)};
 };
 
 void expect_linear(const Nvfp4Linear& got, const LinearData& want, Layout layout,
@@ -314,7 +299,7 @@ using CheckpointOpen = CheckpointTest;
 
 TEST_F(CheckpointOpen, SingleFileFindGetAndNames) {
   const std::string p = (dir_ / "one.safetensors").string();
-  const auto a = rng_->linear(2, 16).codes;
+  const auto a = rng_.linear(2, 16).codes;
   write_tensors(p, {{"z.w", {DType::U8, {2, 8}, a}}, {"a.b", f32_tensor({1.5f, -2.0f}, {2})}});
   const Checkpoint c = Checkpoint::open(p);
   EXPECT_EQ(c.path(), p);
@@ -357,7 +342,7 @@ TEST_F(CheckpointOpen, RejectsAmbiguousEmptyAndMissing) {
 
 // Three shards; each linear's weight and its scales sit in different shards.
 TEST_F(CheckpointOpen, ShardedIndex) {
-  const LinearData d = rng_->linear(kI, kH);
+  const LinearData d = rng_.linear(kI, kH);
   TensorMap all;
   add_linear(all, "m.proj", d, Layout::kModelOpt, false);
   all["m.other"] = f32_tensor({0.25f}, {1});
@@ -792,7 +777,7 @@ void expect_layer(const MoeLayer& got, const LayerData& want, Layout layout) {
 }
 
 TEST_F(LoadMoeLayer, ModelOptDeepseekLoadsBytesInPlace) {
-  const LayerData d = random_layer(*rng_, 2 * kI);  // n_shared_experts = 2
+  const LayerData d = random_layer(rng_, 2 * kI);  // n_shared_experts = 2
   const std::string dir = write_checkpoint("mo", layer_tensors(d, Layout::kModelOpt), deepseek_config());
   const Checkpoint ckpt = Checkpoint::open(dir);
   const MoeLayer layer = megamoe::load_moe_layer(ckpt, megamoe::load_model_config(dir), kLayer);
@@ -818,7 +803,7 @@ TEST_F(LoadMoeLayer, ModelOptDeepseekLoadsBytesInPlace) {
 }
 
 TEST_F(LoadMoeLayer, CompressedTensorsMatchesModelOpt) {
-  const LayerData d = random_layer(*rng_, 2 * kI);
+  const LayerData d = random_layer(rng_, 2 * kI);
   json config = deepseek_config();
   config["swiglu_limit"] = 7.5;
   const MoeLayer mo = load(write_checkpoint("mo", layer_tensors(d, Layout::kModelOpt), config));
@@ -844,9 +829,9 @@ TEST_F(LoadMoeLayer, CompressedTensorsMatchesModelOpt) {
 // compressed-tensors' stored 2688/amax style scale becomes ModelOpt's multiplier by 1/g.
 TEST_F(LoadMoeLayer, CompressedTensorsReciprocalIsExact) {
   TensorMap m;
-  const LinearData d = rng_->linear(kI, kH);
+  const LinearData d = rng_.linear(kI, kH);
   add_linear(m, "p", d, Layout::kCompressedTensors, false);
-  const float g = rng_->log_uniform(6, 14);
+  const float g = rng_.log_uniform(6, 14);
   m["p.weight_global_scale"] = f32_tensor({g}, {});
   m["p.input_global_scale"] = f32_tensor({448.0f}, {1});
   const std::string f = (dir_ / "ct.safetensors").string();
@@ -857,7 +842,7 @@ TEST_F(LoadMoeLayer, CompressedTensorsReciprocalIsExact) {
 }
 
 TEST_F(LoadMoeLayer, Qwen3SoftmaxWithF32Router) {
-  const LayerData d = random_layer(*rng_, 0);
+  const LayerData d = random_layer(rng_, 0);
   TensorMap m = layer_tensors(d, Layout::kModelOpt, DType::F32);
   // Qwen3 has no correction bias; an extra tensor in the file is simply not used.
   const MoeLayer layer = load(write_checkpoint("qwen", m, qwen3_config()));
@@ -879,7 +864,7 @@ TEST_F(LoadMoeLayer, Qwen3SoftmaxWithF32Router) {
 }
 
 TEST_F(LoadMoeLayer, RouterF16AndBiasBF16WidenExactly) {
-  const LayerData d = random_layer(*rng_, 2 * kI);
+  const LayerData d = random_layer(rng_, 2 * kI);
   const MoeLayer layer = load(write_checkpoint(
       "f16", layer_tensors(d, Layout::kModelOpt, DType::F16, DType::BF16), deepseek_config()));
   EXPECT_EQ(layer.router_weight, d.router);
@@ -887,7 +872,7 @@ TEST_F(LoadMoeLayer, RouterF16AndBiasBF16WidenExactly) {
 }
 
 TEST_F(LoadMoeLayer, RejectsMissingTensors) {
-  const LayerData d = random_layer(*rng_, 2 * kI);
+  const LayerData d = random_layer(rng_, 2 * kI);
   for (const Layout layout : {Layout::kModelOpt, Layout::kCompressedTensors}) {
     const bool mo = layout == Layout::kModelOpt;
     const TensorMap full = layer_tensors(d, layout);
@@ -909,7 +894,7 @@ TEST_F(LoadMoeLayer, RejectsMissingTensors) {
 }
 
 TEST_F(LoadMoeLayer, RejectsWrongDtypes) {
-  const LayerData d = random_layer(*rng_, 2 * kI);
+  const LayerData d = random_layer(rng_, 2 * kI);
   const std::string p = kMlp + ".experts.1.gate_proj";
   const struct {
     std::string name;
@@ -940,7 +925,7 @@ TEST_F(LoadMoeLayer, RejectsWrongDtypes) {
 }
 
 TEST_F(LoadMoeLayer, RejectsWrongShapes) {
-  const LayerData d = random_layer(*rng_, 2 * kI);
+  const LayerData d = random_layer(rng_, 2 * kI);
   const std::string p = kMlp + ".experts.0.down_proj";
   const auto reshape = [&](const std::string& name, std::vector<int64_t> shape,
                            const std::vector<std::string>& parts) {
@@ -971,14 +956,14 @@ TEST_F(LoadMoeLayer, RejectsWrongShapes) {
   reshape(kMlp + ".gate.weight", {kH, kE}, {".gate.weight'", "has shape [32, 4]", "expected [4, 32]"});
   reshape(kMlp + ".gate.e_score_correction_bias", {kE, 1}, {"has shape [4, 1]", "expected [4]"});
   // The shared expert's width comes from its tensors and must equal n_shared_experts * I.
-  TensorMap m = layer_tensors(random_layer(*rng_, kI), Layout::kModelOpt);
+  TensorMap m = layer_tensors(random_layer(rng_, kI), Layout::kModelOpt);
   const std::string dir = write_checkpoint("shared_width", m, deepseek_config());
   EXPECT_MEGAMOE_ERROR(load(dir), kInvalidCheckpoint, ".shared_experts.gate_proj.weight'",
                        "has 16 rows", "n_shared_experts (2) x moe_intermediate_size (16) = 32");
 }
 
 TEST_F(LoadMoeLayer, RejectsKNotMultipleOf16) {
-  const LayerData d = random_layer(*rng_, 2 * kI);
+  const LayerData d = random_layer(rng_, 2 * kI);
   json config = deepseek_config();
   config["hidden_size"] = 40;
   std::string dir = write_checkpoint("h40", layer_tensors(d, Layout::kModelOpt), config);
@@ -1005,8 +990,8 @@ TEST_F(LoadMoeLayer, EveryScaleByte) {
   TensorMap m;
   std::array<int, 256> position{};
   for (int b = 0; b < 256; ++b) {
-    LinearData d = rng_->linear(2, 32);  // 4 scale bytes: rows 0-1, blocks 0-1
-    position[b] = rng_->uniform_int(0, 3);
+    LinearData d = rng_.linear(2, 32);  // 4 scale bytes: rows 0-1, blocks 0-1
+    position[b] = rng_.uniform_int(0, 3);
     d.scales[position[b]] = static_cast<uint8_t>(b);
     add_linear(m, "p" + std::to_string(b), d, Layout::kModelOpt, false);
   }
@@ -1032,9 +1017,9 @@ TEST_F(LoadMoeLayer, EveryScaleByte) {
 }
 
 TEST_F(LoadMoeLayer, RejectsNaNAndNegativeScaleBytesWithPosition) {
-  const LayerData d = random_layer(*rng_, 2 * kI);
+  const LayerData d = random_layer(rng_, 2 * kI);
   const std::string p = kMlp + ".experts.3.gate_proj";  // [16, 32]: scales [16, 2]
-  const uint8_t negative = static_cast<uint8_t>(0x80 | rng_->uniform_int(0x01, 0x7E));
+  const uint8_t negative = static_cast<uint8_t>(0x80 | rng_.uniform_int(0x01, 0x7E));
   for (const auto& [byte, what] : {std::pair<uint8_t, const char*>{0x7F, "NaN"},
                                    {0xFF, "NaN"},
                                    {negative, "negative"},
@@ -1063,7 +1048,7 @@ TEST_F(LoadMoeLayer, RejectsNaNAndNegativeScaleBytesWithPosition) {
 // It loads (with a warning naming it) as zero codes and zero scales with weight_scale_2 = 1, the
 // rest of the layer untouched; anything short of the exact signature is still refused.
 TEST_F(LoadMoeLayer, ModelOptZeroWeightSignatureLoadsAsZeros) {
-  const LayerData d = random_layer(*rng_, 2 * kI);
+  const LayerData d = random_layer(rng_, 2 * kI);
   const std::string p = kMlp + ".experts.2.gate_proj";  // [16, 32]
   auto with_signature = [&](uint8_t code, uint8_t scale, float s2, uint8_t nan = 0xFF) {
     TensorMap m = layer_tensors(d, Layout::kModelOpt);
@@ -1126,7 +1111,7 @@ TEST_F(LoadMoeLayer, ModelOptZeroWeightSignatureLoadsAsZeros) {
 }
 
 TEST_F(LoadMoeLayer, RejectsBadGlobalScales) {
-  const LayerData d = random_layer(*rng_, 2 * kI);
+  const LayerData d = random_layer(rng_, 2 * kI);
   const std::string p = kMlp + ".experts.2.down_proj";
   const float tiny = std::numeric_limits<float>::denorm_min();
   const struct {
@@ -1161,7 +1146,7 @@ TEST_F(LoadMoeLayer, RejectsBadGlobalScales) {
 }
 
 TEST_F(LoadMoeLayer, RejectsBadRouterValues) {
-  const LayerData d = random_layer(*rng_, 2 * kI);
+  const LayerData d = random_layer(rng_, 2 * kI);
   TensorMap m = layer_tensors(d, Layout::kModelOpt, DType::F32);
   std::vector<float> router = d.router;
   router[2 * kH + 5] = kNaN;
@@ -1179,7 +1164,7 @@ TEST_F(LoadMoeLayer, RejectsBadRouterValues) {
 }
 
 TEST_F(LoadMoeLayer, NoauxTcRequiresCorrectionBias) {
-  const LayerData d = random_layer(*rng_, 2 * kI);
+  const LayerData d = random_layer(rng_, 2 * kI);
   TensorMap m = layer_tensors(d, Layout::kModelOpt);
   m.erase(kMlp + ".gate.e_score_correction_bias");
   const std::string dir = write_checkpoint("no_bias", m, deepseek_config());
@@ -1188,7 +1173,7 @@ TEST_F(LoadMoeLayer, NoauxTcRequiresCorrectionBias) {
 }
 
 TEST_F(LoadMoeLayer, RejectsNonMoeLayers) {
-  const LayerData d = random_layer(*rng_, 2 * kI);
+  const LayerData d = random_layer(rng_, 2 * kI);
   const std::string dir = write_checkpoint("ds", layer_tensors(d, Layout::kModelOpt), deepseek_config());
   for (int64_t l : {0, 3, -1, 100}) {
     EXPECT_MEGAMOE_ERROR(load(dir, l), kInvalidArgument, dir,
@@ -1197,13 +1182,13 @@ TEST_F(LoadMoeLayer, RejectsNonMoeLayers) {
   }
   json q = qwen3_config();
   q["mlp_only_layers"] = {1};
-  const std::string qdir = write_checkpoint("qwen", layer_tensors(random_layer(*rng_, 0), Layout::kModelOpt), q);
+  const std::string qdir = write_checkpoint("qwen", layer_tensors(random_layer(rng_, 0), Layout::kModelOpt), q);
   EXPECT_MEGAMOE_ERROR(load(qdir, 1), kInvalidArgument, "layer 1 of the Qwen3MoeForCausalLM",
                        "not a MoE layer", "mlp_only_layers [1]");
 }
 
 TEST_F(LoadMoeLayer, RejectsAmbiguousLayout) {
-  const LayerData d = random_layer(*rng_, 2 * kI);
+  const LayerData d = random_layer(rng_, 2 * kI);
   TensorMap m = layer_tensors(d, Layout::kModelOpt);
   const std::string p = kMlp + ".experts.0.gate_proj";
   m[p + ".weight_packed"] = m[p + ".weight"];
@@ -1239,7 +1224,7 @@ MoeLayer owned_layer(Rng& rng) {
 using MoeLayerValidate = CheckpointTest;
 
 TEST_F(MoeLayerValidate, MakeOwnedLinear) {
-  const LinearData d = rng_->linear(kI, kH);
+  const LinearData d = rng_.linear(kI, kH);
   const Nvfp4Linear lin =
       megamoe::make_owned_linear(kI, kH, d.codes, d.scales, d.weight_scale_2, d.input_scale);
   expect_linear(lin, d, Layout::kModelOpt, "owned");
@@ -1277,7 +1262,7 @@ TEST_F(MoeLayerValidate, MakeOwnedLinear) {
 }
 
 TEST_F(MoeLayerValidate, AcceptsConsistentLayer) {
-  MoeLayer l = owned_layer(*rng_);
+  MoeLayer l = owned_layer(rng_);
   EXPECT_NO_THROW(l.validate());
   l.shared_expert.reset();
   l.router_weight.clear();
@@ -1288,7 +1273,7 @@ TEST_F(MoeLayerValidate, AcceptsConsistentLayer) {
 }
 
 TEST_F(MoeLayerValidate, RejectsEachInconsistency) {
-  const MoeLayer good = owned_layer(*rng_);
+  const MoeLayer good = owned_layer(rng_);
   const struct {
     std::function<void(MoeLayer&)> edit;
     std::vector<std::string> parts;
@@ -1297,9 +1282,9 @@ TEST_F(MoeLayerValidate, RejectsEachInconsistency) {
       {[](MoeLayer& l) { l.intermediate_size = 0; }, {"intermediate_size is 0"}},
       {[](MoeLayer& l) { l.num_experts = 0; }, {"num_experts is 0"}},
       {[](MoeLayer& l) { l.experts.pop_back(); }, {"has 3 experts; num_experts is 4"}},
-      {[&](MoeLayer& l) { l.experts[2].up = owned(*rng_, kI, 2 * kH); },
+      {[&](MoeLayer& l) { l.experts[2].up = owned(rng_, kI, 2 * kH); },
        {"expert 2 up_proj has shape [16, 64]; expected [16, 32]"}},
-      {[&](MoeLayer& l) { l.experts[1].down = owned(*rng_, kI, kH); },
+      {[&](MoeLayer& l) { l.experts[1].down = owned(rng_, kI, kH); },
        {"expert 1 down_proj has shape [16, 32]; expected [32, 16]"}},
       {[](MoeLayer& l) { l.experts[3].gate.weight = nullptr; }, {"expert 3 gate_proj", "null weight pointer"}},
       {[](MoeLayer& l) { l.experts[0].down.weight_scale = nullptr; }, {"expert 0 down_proj", "null weight_scale pointer"}},
@@ -1307,7 +1292,7 @@ TEST_F(MoeLayerValidate, RejectsEachInconsistency) {
       {[](MoeLayer& l) { l.experts[1].gate.weight_scale_2 = 0.0f; }, {"weight_scale_2 0"}},
       {[](MoeLayer& l) { l.experts[1].gate.weight_scale_2 = -2.0f; }, {"weight_scale_2 -2"}},
       {[](MoeLayer& l) { l.experts[1].up.input_scale = -1.0f; }, {"expert 1 up_proj has input_scale -1"}},
-      {[&](MoeLayer& l) { l.shared_expert->down = owned(*rng_, kH, 32); },
+      {[&](MoeLayer& l) { l.shared_expert->down = owned(rng_, kH, 32); },
        {"shared expert down_proj has shape [32, 32]; expected [32, 48]"}},
       {[&](MoeLayer& l) { l.shared_expert->gate.weight_scale_2 = kInf; }, {"shared expert gate_proj", "weight_scale_2 inf"}},
       {[](MoeLayer& l) { l.router_weight.pop_back(); }, {"router_weight has 127 values", "expected 128"}},
@@ -1436,7 +1421,7 @@ TEST_F(ModelConfigTest, RejectsAbsurdWidths) {
 // An expert count the checkpoint does not hold is refused before anything is sized by it (2^31 - 1
 // experts once asked for 360 GB and died with a bare std::bad_alloc).
 TEST_F(LoadMoeLayer, RejectsExpertCountBeyondTheCheckpoint) {
-  const LayerData d = random_layer(*rng_, 0);
+  const LayerData d = random_layer(rng_, 0);
   for (const int64_t experts : {int64_t(2147483647), kE + 1}) {
     json config = qwen3_config();
     config["num_experts"] = experts;
@@ -1452,7 +1437,7 @@ TEST_F(LoadMoeLayer, RejectsExpertCountBeyondTheCheckpoint) {
 // refused (the names decide how the global scale is read); a config naming none is accepted and
 // the names decide.
 TEST_F(LoadMoeLayer, ConfigQuantMethodMustAgreeWithTensorNames) {
-  const LayerData d = random_layer(*rng_, 0);
+  const LayerData d = random_layer(rng_, 0);
   const json modelopt = {{"quant_method", "modelopt"}, {"quant_algo", "NVFP4"}};
   const json compressed = {
       {"quant_method", "compressed-tensors"},
@@ -1480,7 +1465,7 @@ TEST_F(LoadMoeLayer, ConfigQuantMethodMustAgreeWithTensorNames) {
 // is not a finite fp32) is refused; a large one below it is accepted, and what the layer then
 // computes may overflow bf16 (Inf or NaN in the output), as the same layer in bf16 would.
 TEST_F(LoadMoeLayer, HugeGlobalScales) {
-  const LayerData d = random_layer(*rng_, 0);
+  const LayerData d = random_layer(rng_, 0);
   const std::string p = kMlp + ".experts.1.up_proj";
   const float limit = std::numeric_limits<float>::max() / 2688.0f;
   TensorMap m = layer_tensors(d, Layout::kModelOpt);

@@ -1,10 +1,9 @@
 // The CPU parts of `megamoe bench --ep N` (bench/ep_bench_model.h): option validation, what the
 // launcher hands the ranks, the traffic and floor arithmetic of a point, the expert-weight bytes
-// per GPU of whole models, the report; and the launcher of expert-parallel ranks
-// (tools/megamoe/ep_launch.h), run on /bin/sh children. The GPU runs are in test_tool.cpp
-// (ToolSynth.BenchExpertParallel, skipped below 2 GPUs).
+// per GPU of whole models (against the tensors of synthesized layers), the report; and the
+// launcher of expert-parallel ranks (tools/megamoe/ep_launch.h), run on /bin/sh children. The
+// GPU runs are in test_tool.cpp (ToolSynth.BenchExpertParallel, skipped below 2 GPUs).
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -18,7 +17,9 @@
 
 #include "bench/ep_bench_model.h"
 #include "megamoe/presets.h"
+#include "megamoe/safetensors.h"
 #include "megamoe/status.h"
+#include "tests/common/test_util.h"
 #include "tools/megamoe/ep_launch.h"
 
 namespace megamoe::bench {
@@ -138,14 +139,7 @@ TEST(EpBenchOptions, RankSetupRoundTripsThroughJson) {
 // {1, 2} (both ranks). Rank 1: token 0 -> {2, 3} (rank 1 only), token 1 -> {0, 3} (both), token 2
 // -> {3, -1} (an invalid id is ignored: rank 1 only).
 EpShape tiny_shape() {
-  EpShape s;
-  s.hidden = 64;
-  s.intermediate = 32;
-  s.shared_intermediate = 64;
-  s.num_experts = 4;
-  s.top_k = 2;
-  s.world = 2;
-  return s;
+  return {.hidden = 64, .intermediate = 32, .shared_intermediate = 64, .num_experts = 4, .top_k = 2, .world = 2};
 }
 const std::vector<std::vector<int32_t>> kTinyIds = {{0, 1, 1, 2}, {2, 3, 0, 3, 3, -1}};
 
@@ -215,13 +209,12 @@ TEST(EpBenchTraffic, FloorIsTheLargestOfHbmMmaAndNvlink) {
 // ~9 experts' bytes (~72 µs on an H100), at 4096 by the MMA (~4.2 ms), whatever R.
 TEST(EpBenchTraffic, DeepseekFloorsMatchTheIssueTable) {
   const ModelPreset& p = find_preset("deepseek-v3");
-  EpShape shape;
-  shape.hidden = p.hidden_size;
-  shape.intermediate = p.intermediate_size;
-  shape.shared_intermediate = p.intermediate_size;
-  shape.num_experts = p.num_experts;
-  shape.top_k = p.top_k;
-  shape.world = 2;
+  const EpShape shape{.hidden = p.hidden_size,
+                      .intermediate = p.intermediate_size,
+                      .shared_intermediate = p.intermediate_size,
+                      .num_experts = p.num_experts,
+                      .top_k = p.top_k,
+                      .world = 2};
   EpRates h100{3.01, 786.0, 384.0};
   // One token per rank, experts 0..7 and 128..135: each rank has 8 active.
   const std::vector<std::vector<int32_t>> one = {{0, 1, 2, 3, 4, 5, 6, 7}, {128, 129, 130, 131, 132, 133, 134, 135}};
@@ -249,9 +242,85 @@ TEST(EpBenchTraffic, DeepseekFloorsMatchTheIssueTable) {
   EXPECT_EQ(tm[1].nvlink_bytes_in, 4096.0 * 4 * 7168);
 }
 
+// The NVFP4 bytes of each expert of a synthesized layer, counted in its file: the sizes of the
+// codes (.weight) and block scales (.weight_scale) that synth wrote. The 4-byte global and input
+// scales are left out, as the model leaves them out.
+struct ExpertBytes {
+  std::vector<double> routed;  // by expert index
+  double shared = 0;
+};
+ExpertBytes count_expert_bytes(const fs::path& checkpoint, int64_t layer) {
+  const auto file = SafetensorsFile::open((checkpoint / "model.safetensors").string());
+  const std::string routed = moe_prefix(layer) + ".experts.", shared = moe_prefix(layer) + ".shared_experts.";
+  ExpertBytes bytes;
+  for (const TensorInfo& t : file->tensors()) {
+    if (!t.name.ends_with(".weight") && !t.name.ends_with(".weight_scale")) continue;
+    if (t.name.starts_with(shared)) {
+      bytes.shared += static_cast<double>(t.nbytes());
+    } else if (t.name.starts_with(routed)) {
+      const size_t e = std::stoul(t.name.substr(routed.size()));
+      if (bytes.routed.size() <= e) bytes.routed.resize(e + 1);
+      bytes.routed[e] += static_cast<double>(t.nbytes());
+    }
+  }
+  return bytes;
+}
+
+// The model's weight bytes (the estimates per GPU and per model, a rank's floor) against that
+// count, on DeepSeek-V3 and Kimi-K2 layers synthesized small: H 256, I 128, 8 experts and 0, 1
+// or 2 shared experts (the model reads nothing else of the preset but its name, for the layer
+// count).
+TEST(EpBenchWeights, ModelCountsTheBytesSynthWrites) {
+  const testing::ScratchDir dir("megamoe_ep_bench");
+  for (const char* model : {"deepseek-v3", "kimi-k2"}) {
+    for (int n_shared : {0, 1, 2}) {
+      SCOPED_TRACE(std::string(model) + ", " + std::to_string(n_shared) + " shared experts");
+      ModelPreset p = find_preset(model);
+      p.hidden_size = 256;
+      p.intermediate_size = 128;
+      p.num_experts = 8;
+      p.n_shared_experts = n_shared;
+      const fs::path checkpoint = dir.path() / (std::string(model) + "_" + std::to_string(n_shared));
+      SynthOptions opt;
+      opt.threads = 2;
+      synth_checkpoint(p, checkpoint.string(), opt);
+      const ExpertBytes bytes = count_expert_bytes(checkpoint, p.layer);
+      ASSERT_EQ(bytes.routed.size(), 8u);
+      EXPECT_EQ(bytes.shared > 0, n_shared > 0);
+      double all_routed = 0;
+      for (double b : bytes.routed) all_routed += b;
+
+      for (int world : {1, 2, 4, 8}) {
+        SCOPED_TRACE("EP" + std::to_string(world));
+        const EpWeightEstimate e = ep_weight_estimate(p, world);
+        const int per_rank = 8 / world;
+        for (int r = 0; r < world; ++r) {
+          double owned = bytes.shared;
+          for (int x = r * per_rank; x < (r + 1) * per_rank; ++x) owned += bytes.routed[static_cast<size_t>(x)];
+          EXPECT_EQ(e.bytes_per_layer, owned) << "rank " << r;
+        }
+        EXPECT_EQ(e.model_bytes, (all_routed + bytes.shared) * static_cast<double>(e.moe_layers));
+      }
+
+      // A rank's floor reads its active experts and the shared one: rank 0 of 2 owns experts 0..3,
+      // of which its token picks 0 and 2 and rank 1's token 2 and 5.
+      const EpShape shape{.hidden = p.hidden_size,
+                          .intermediate = p.intermediate_size,
+                          .shared_intermediate = n_shared * p.intermediate_size,
+                          .num_experts = p.num_experts,
+                          .top_k = 2,
+                          .world = 2};
+      const auto traffic = ep_traffic(shape, {{0, 2}, {2, 5}});
+      const EpFloor floor = ep_rank_floor(shape, traffic[0], EpRates{1.0, 1.0, 1.0});
+      EXPECT_EQ(floor.weight_bytes, bytes.routed[0] + bytes.routed[2] + bytes.shared);
+    }
+  }
+}
+
 TEST(EpBenchWeights, BytesPerGpuOfDeepseekAndKimi) {
-  const double expert = 0.5625 * 3 * 7168 * 2048;  // 24,772,608 bytes
-  EXPECT_EQ(expert, 24772608.0);
+  // One expert of either model (H 7168, I 2048): 3·7168·2048 codes of half a byte and a scale byte
+  // per 16 (ModelCountsTheBytesSynthWrites checks that rate against written layers).
+  const double expert = 24772608.0;
   const auto rows = ep_weight_estimate_table();
   ASSERT_EQ(rows.size(), 4u);
   struct Want {
@@ -385,14 +454,8 @@ TEST(EpLaunch, RankEnvironmentNeverAllowsMulticast) {
   EXPECT_EQ(tool::ep_rank_environment(nullptr).size(), 3u);
 }
 
-class EpLaunchRuns : public testing::Test {
+class EpLaunchRuns : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() / ("megamoe-ep-launch-" + std::to_string(getpid()) + "-" +
-                                        testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
   // Rank r runs `sh -c SCRIPT r` ($1 is the rank).
   tool::EpRankLaunch shell(const std::string& script, int world) {
     tool::EpRankLaunch l;
@@ -402,7 +465,8 @@ class EpLaunchRuns : public testing::Test {
     l.rank_argv = [script](int r) { return std::vector<std::string>{"sh", "-c", script, "sh", std::to_string(r)}; };
     return l;
   }
-  fs::path dir_;
+  const testing::ScratchDir scratch_{"megamoe_ep_launch"};
+  const fs::path dir_ = scratch_.path();
 };
 
 TEST_F(EpLaunchRuns, EveryRankRunsWithTheForcedEnvironment) {

@@ -18,6 +18,7 @@
 #include "megamoe/format.h"
 #include "megamoe/reference.h"
 #include "megamoe/status.h"
+#include "tests/common/test_util.h"
 
 namespace megamoe::format {
 namespace {
@@ -80,9 +81,6 @@ std::string hex(int v) {
   std::snprintf(buf, sizeof(buf), "0x%02X", v);
   return buf;
 }
-
-// Fresh seed each run, printed with every failure through SCOPED_TRACE.
-uint32_t fresh_seed() { return std::random_device{}(); }
 
 template <typename F>
 void expect_error(F&& f, ErrorCode code, const std::string& needle) {
@@ -147,8 +145,7 @@ TEST(E2m1, SaturationSignedZeroAndNan) {
 }
 
 TEST(E2m1, EncodeMatchesNearestSearchOnEveryBf16AndRandomFloats) {
-  const uint32_t seed = fresh_seed();
-  SCOPED_TRACE("seed = " + std::to_string(seed));
+  const testing::SeedTrace seed;
   std::vector<float> inputs;
   for (uint32_t h = 0; h < 0x10000; ++h) {
     const float v = bf16_to_f32(static_cast<uint16_t>(h));
@@ -568,8 +565,7 @@ void check_recipe_properties(const RandomWeights& r, float s2, const std::vector
 }
 
 TEST(ModeloptWeight, RandomMatricesSatisfyTheRecipe) {
-  const uint32_t seed = fresh_seed();
-  SCOPED_TRACE("seed = " + std::to_string(seed));
+  const testing::SeedTrace seed;
   std::mt19937 rng(seed);
   int clamped_low = 0, subnormal_scales = 0, zero_blocks = 0;
   const int64_t shapes[][2] = {{64, 256}, {7, 48}, {1, 16}, {33, 1024}};
@@ -604,8 +600,7 @@ TEST(ModeloptWeight, RandomMatricesSatisfyTheRecipe) {
 }
 
 TEST(ModeloptWeight, GivenGlobalScaleMatchesTheRecipeOnRandomData) {
-  const uint32_t seed = fresh_seed();
-  SCOPED_TRACE("seed = " + std::to_string(seed));
+  const testing::SeedTrace seed;
   std::mt19937 rng(seed);
   int clamped_low = 0, subnormal_scales = 0, zero_blocks = 0;
   const RandomWeights r = make_random_weights(rng, 16, 512, true);
@@ -792,8 +787,7 @@ TEST(Dequantize, RejectsInvalidScalesAndArguments) {
 // holds cases where rounding the fp32 product again lands one ulp off, so a double rounding
 // would fail here.
 TEST(Dequantize, ToBf16RoundsOnceFromTheExactProduct) {
-  const uint32_t seed = fresh_seed();
-  SCOPED_TRACE("seed = " + std::to_string(seed));
+  const testing::SeedTrace seed;
   std::mt19937 rng(seed);
   std::vector<float> globals = {1.0f, 0x1.924926p-12f, 0x1.000102p0f, 0x1.7fffffp-3f,
                                 std::ldexp(1.0f, -130), std::ldexp(0x1.555556p0f, -140),
@@ -947,8 +941,7 @@ TEST(Activation, Fp32EvaluationOrder) {
 }
 
 TEST(Activation, RandomRoundTrip) {
-  const uint32_t seed = fresh_seed();
-  SCOPED_TRACE("seed = " + std::to_string(seed));
+  const testing::SeedTrace seed;
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   std::uniform_real_distribution<float> uni(0.0f, 1.0f);

@@ -6,7 +6,7 @@
 #include <optional>
 #include <string>
 
-#include "error_matchers.h"
+#include "tests/common/error_matchers.h"
 #include "megamoe/presets.h"
 #include "megamoe/runtime.h"
 #include "backends/sm90_w4a16/sm90_w4a16_heuristics.h"

@@ -12,8 +12,9 @@
 #include <vector>
 
 #include "checkpoint/name_pattern.h"
-#include "error_matchers.h"
+#include "tests/common/error_matchers.h"
 #include "megamoe/status.h"
+#include "tests/common/test_util.h"
 
 namespace {
 
@@ -96,8 +97,7 @@ std::string random_pattern(std::mt19937_64& rng, int depth) {
 }
 
 TEST(NamePattern, AgreesWithStdRegexOnRandomPatterns) {
-  const uint64_t seed = std::random_device{}();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const megamoe::testing::SeedTrace seed;
   std::mt19937_64 rng(seed);
   for (int i = 0; i < 400; ++i) {
     const std::string pattern = random_pattern(rng, 0);

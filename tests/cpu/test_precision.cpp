@@ -6,7 +6,7 @@
 #include <string>
 
 #include "megamoe/precision.h"
-#include "error_matchers.h"
+#include "tests/common/error_matchers.h"
 
 namespace megamoe {
 namespace {

@@ -13,11 +13,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <functional>
-#include <initializer_list>
 #include <iostream>
 #include <optional>
-#include <random>
 #include <span>
 #include <string>
 #include <vector>
@@ -27,6 +24,9 @@
 #include "megamoe/moe.h"
 #include "megamoe/reference.h"
 #include "megamoe/status.h"
+#include "tests/common/error_matchers.h"
+#include "tests/common/oracles.h"
+#include "tests/common/test_util.h"
 
 namespace megamoe {
 namespace {
@@ -37,78 +37,14 @@ using reference::TopK;
 // ---------------------------------------------------------------------------------------------
 // Helpers
 
-// Every e2m1 code's value (docs/design.md §2), written out: bit 3 is the sign.
-constexpr double kE2m1[16] = {0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6};
+using namespace testing;  // the shared generators and oracles (tests/common)
 
-// Expects fn to throw megamoe::Error(kInvalidArgument) whose message holds every part.
-void expect_invalid(const std::function<void()>& fn, std::initializer_list<std::string> parts) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected megamoe::Error(kInvalidArgument), nothing was thrown";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
-    for (const std::string& p : parts) {
-      EXPECT_NE(std::string(e.what()).find(p), std::string::npos)
-          << "message \"" << e.what() << "\" lacks \"" << p << "\"";
-    }
-  }
-}
-
-// Rounds a double to bf16, written independently of the reference: round-to-odd onto fp32
-// (which keeps 16 more significand bits than bf16 over bf16's whole range) then
-// round-to-nearest-even onto bf16 is one correct rounding.
-uint16_t bf16_of(double v) {
-  float f = static_cast<float>(v);
-  if (std::isfinite(v) && static_cast<double>(f) != v) {
-    if (std::fabs(static_cast<double>(f)) > std::fabs(v)) f = std::nextafter(f, 0.0f);
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    bits |= 1u;
-    std::memcpy(&f, &bits, 4);
-  }
-  return f32_to_bf16(f);
-}
 double bf16_round(double v) { return bf16_to_f32(bf16_of(v)); }
-
-double silu(double g) { return g / (1.0 + std::exp(-g)); }
-
-// A [rows, cols] NVFP4 linear under construction: one e2m1 code per element (all 0 at first)
-// and one ue4m3 byte per 16-element block (all 1.0 = 0x38 at first).
-struct LinearBuilder {
-  int64_t rows, cols;
-  std::vector<uint8_t> codes, scales;
-  LinearBuilder(int64_t r, int64_t c)
-      : rows(r), cols(c), codes(r * c, 0), scales(r * c / 16, 0x38) {}
-  LinearBuilder& code(int64_t r, int64_t c, uint8_t v) {
-    codes[r * cols + c] = v;
-    return *this;
-  }
-  LinearBuilder& scale(int64_t r, int64_t block, uint8_t byte) {
-    scales[r * (cols / 16) + block] = byte;
-    return *this;
-  }
-  Nvfp4Linear build(float s2) const {
-    std::vector<uint8_t> packed(rows * cols / 2);
-    for (size_t j = 0; j < packed.size(); ++j) {
-      packed[j] = format::pack_e2m1_pair(codes[2 * j], codes[2 * j + 1]);
-    }
-    return make_owned_linear(rows, cols, packed, scales, s2);
-  }
-};
 
 std::vector<uint16_t> to_bf16(const std::vector<double>& v) {
   std::vector<uint16_t> out;
   for (double d : v) out.push_back(f32_to_bf16(static_cast<float>(d)));  // exact in the tests
   return out;
-}
-
-TopK make_topk(int64_t tokens, int k, std::vector<int32_t> ids, std::vector<float> weights) {
-  TopK t;
-  t.tokens = tokens;
-  t.k = k;
-  t.ids = std::move(ids);
-  t.weights = std::move(weights);
-  return t;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -145,9 +81,8 @@ TEST(ReferenceRounding, F64ToBf16EveryValueTieAndBoundary) {
 }
 
 TEST(ReferenceRounding, F64ToBf16MatchesRoundToOddOnRandomDoubles) {
-  const uint64_t seed = std::random_device{}();
-  SCOPED_TRACE("seed " + std::to_string(seed));
-  std::mt19937_64 gen(seed);
+  const SeedTrace seed;
+  Rng gen(seed);
   for (int i = 0; i < 200000; ++i) {
     // Random significand bits, exponents from below the bf16 subnormals to past its maximum.
     const double m = 1.0 + static_cast<double>(gen() >> 12) * 0x1p-52;
@@ -415,29 +350,35 @@ TEST(ReferenceForward, RejectsBadArguments) {
   const std::vector<uint16_t> hidden = to_bf16(hand_x(0));
   const auto fwd = [&](const TopK& t, std::span<const uint16_t> h, int64_t tokens,
                        ForwardOptions opt = {}) {
-    return [&layer, t, h, tokens, opt] { reference::moe_forward(layer, h, tokens, t, opt); };
+    reference::moe_forward(layer, h, tokens, t, opt);
   };
-  expect_invalid(fwd(make_topk(1, 2, {0, 3}, {1, 1}), hidden, 1),
-                 {"token 0, slot 1 is 3", "[0, 3)"});
-  expect_invalid(fwd(make_topk(1, 2, {-1, 0}, {1, 1}), hidden, 1),
-                 {"token 0, slot 0 is -1", "[0, 3)"});
-  expect_invalid(fwd(make_topk(1, 1, {0}, {NAN}), hidden, 1), {"token 0, slot 0", "finite"});
-  expect_invalid(fwd(make_topk(1, 1, {0}, {INFINITY}), hidden, 1), {"finite"});
-  expect_invalid(fwd(make_topk(1, 1, {0}, {1}), std::span(hidden).first(31), 1),
-                 {"hidden holds 31", "hidden_size (32)"});
-  expect_invalid(fwd(make_topk(1, 1, {0}, {1}), hidden, 2), {"tokens (2)"});
-  expect_invalid(fwd(make_topk(2, 1, {0, 0}, {1, 1}), hidden, 1), {"2 tokens", "holds 1"});
-  expect_invalid(fwd(make_topk(1, 0, {}, {}), hidden, 1), {"k is 0", ">= 1"});
-  expect_invalid(fwd(make_topk(1, 2, {0}, {1}), hidden, 1), {"ids hold 1", "k (2)"});
-  expect_invalid(fwd(make_topk(1, 1, {0}, {1}), hidden, -1), {"tokens is -1"});
-  expect_invalid(fwd(make_topk(1, 1, {0}, {1}), hidden, 1, {.threads = -1}), {"threads is -1"});
-  expect_invalid(fwd(make_topk(1, 1, {0}, {1}), hidden, 1, {.chunk_tokens = -2}),
-                 {"chunk_tokens is -2"});
+  EXPECT_MEGAMOE_ERROR(fwd(make_topk(1, 2, {0, 3}, {1, 1}), hidden, 1), kInvalidArgument,
+                       "token 0, slot 1 is 3", "[0, 3)");
+  EXPECT_MEGAMOE_ERROR(fwd(make_topk(1, 2, {-1, 0}, {1, 1}), hidden, 1), kInvalidArgument,
+                       "token 0, slot 0 is -1", "[0, 3)");
+  EXPECT_MEGAMOE_ERROR(fwd(make_topk(1, 1, {0}, {NAN}), hidden, 1), kInvalidArgument,
+                       "token 0, slot 0", "finite");
+  EXPECT_MEGAMOE_ERROR(fwd(make_topk(1, 1, {0}, {INFINITY}), hidden, 1), kInvalidArgument,
+                       "finite");
+  EXPECT_MEGAMOE_ERROR(fwd(make_topk(1, 1, {0}, {1}), std::span(hidden).first(31), 1),
+                       kInvalidArgument, "hidden holds 31", "hidden_size (32)");
+  EXPECT_MEGAMOE_ERROR(fwd(make_topk(1, 1, {0}, {1}), hidden, 2), kInvalidArgument, "tokens (2)");
+  EXPECT_MEGAMOE_ERROR(fwd(make_topk(2, 1, {0, 0}, {1, 1}), hidden, 1), kInvalidArgument,
+                       "2 tokens", "holds 1");
+  EXPECT_MEGAMOE_ERROR(fwd(make_topk(1, 0, {}, {}), hidden, 1), kInvalidArgument, "k is 0", ">= 1");
+  EXPECT_MEGAMOE_ERROR(fwd(make_topk(1, 2, {0}, {1}), hidden, 1), kInvalidArgument,
+                       "ids hold 1", "k (2)");
+  EXPECT_MEGAMOE_ERROR(fwd(make_topk(1, 1, {0}, {1}), hidden, -1), kInvalidArgument,
+                       "tokens is -1");
+  EXPECT_MEGAMOE_ERROR(fwd(make_topk(1, 1, {0}, {1}), hidden, 1, {.threads = -1}), kInvalidArgument,
+                       "threads is -1");
+  EXPECT_MEGAMOE_ERROR(fwd(make_topk(1, 1, {0}, {1}), hidden, 1, {.chunk_tokens = -2}),
+                       kInvalidArgument, "chunk_tokens is -2");
   // An inconsistent layer is rejected by MoeLayer::validate before anything is read.
   MoeLayer broken = hand_layer();
   broken.experts.pop_back();
-  expect_invalid([&] { reference::moe_forward(broken, hidden, 1, make_topk(1, 1, {0}, {1})); },
-                 {"experts"});
+  EXPECT_MEGAMOE_ERROR(reference::moe_forward(broken, hidden, 1, make_topk(1, 1, {0}, {1})),
+                       kInvalidArgument, "experts");
 }
 
 TEST(ReferenceForward, RejectsInvalidBlockScalesOfUsedExperts) {
@@ -450,9 +391,8 @@ TEST(ReferenceForward, RejectsInvalidBlockScalesOfUsedExperts) {
     const std::vector<uint16_t> hidden = to_bf16(hand_x(0));
     char hex[8];
     std::snprintf(hex, sizeof hex, "0x%02X", bad);
-    expect_invalid(
-        [&] { reference::moe_forward(layer, hidden, 1, make_topk(1, 1, {2}, {1})); },
-        {"expert 2 down_proj.weight_scale[7, 0]", hex});
+    EXPECT_MEGAMOE_ERROR(reference::moe_forward(layer, hidden, 1, make_topk(1, 1, {2}, {1})),
+                         kInvalidArgument, "expert 2 down_proj.weight_scale[7, 0]", hex);
     // Only the experts a token uses are read.
     EXPECT_NO_THROW(reference::moe_forward(layer, hidden, 1, make_topk(1, 1, {1}, {1})));
   }
@@ -461,56 +401,9 @@ TEST(ReferenceForward, RejectsInvalidBlockScalesOfUsedExperts) {
 // ---------------------------------------------------------------------------------------------
 // Random layers against a naive implementation.
 
-struct Rng {
-  explicit Rng(uint64_t seed) : gen(seed) {}
-  std::mt19937_64 gen;
-  int uniform_int(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(gen); }
-  double uniform(double lo, double hi) {
-    return std::uniform_real_distribution<double>(lo, hi)(gen);
-  }
-  double normal() { return std::normal_distribution<double>(0.0, 1.0)(gen); }
-  void fill_bytes(std::vector<uint8_t>& v) {
-    for (size_t i = 0; i < v.size(); i += 8) {
-      const uint64_t r = gen();
-      for (size_t j = 0; j < 8 && i + j < v.size(); ++j) {
-        v[i + j] = static_cast<uint8_t>(r >> (8 * j));
-      }
-    }
-  }
-};
-
-uint64_t fresh_seed() {
-  std::random_device rd;
-  return (uint64_t{rd()} << 32) | rd();
-}
-
-// Random codes (every code), random valid scale bytes 0x00-0x7E (zero, subnormals, up to 448:
-// exponents spread over the whole range), a random global scale.
-Nvfp4Linear random_linear(Rng& rng, int64_t rows, int64_t cols) {
-  std::vector<uint8_t> codes(rows * cols / 2), scales(rows * cols / 16);
-  rng.fill_bytes(codes);
-  rng.fill_bytes(scales);
-  for (uint8_t& s : scales) s %= 0x7F;
-  const float s2 = static_cast<float>(std::ldexp(rng.uniform(1.0, 2.0), rng.uniform_int(-12, -4)));
-  return make_owned_linear(rows, cols, std::move(codes), std::move(scales), s2);
-}
-
-ExpertWeights random_expert(Rng& rng, int64_t H, int64_t I) {
-  ExpertWeights w;
-  w.gate = random_linear(rng, I, H);
-  w.up = random_linear(rng, I, H);
-  w.down = random_linear(rng, H, I);
-  return w;
-}
-
-// bf16 values with exponents spread over 2^-4 .. 2^4 times a normal sample.
-std::vector<uint16_t> random_hidden(Rng& rng, int64_t n) {
-  std::vector<uint16_t> h(n);
-  for (uint16_t& v : h) {
-    v = f32_to_bf16(static_cast<float>(std::ldexp(rng.normal(), rng.uniform_int(-4, 4))));
-  }
-  return h;
-}
+// Every code and every valid scale byte (zero, subnormals, up to 448: exponents over the whole
+// range), global scales of many exponents.
+constexpr LinearDraw kAnyWeights{ScaleCodes::kEveryCode, GlobalScale::kAnyExponent};
 
 // The naive forward: dequantize with global scale 1 (exact e2m1·ue4m3 in fp32), plain loops,
 // one double accumulator per dot product in index order, global scales on the sums.
@@ -591,26 +484,14 @@ std::vector<double> naive_forward(const MoeLayer& layer, const std::vector<uint1
 }
 
 TEST(ReferenceForward, RandomLayersMatchNaiveBitwise) {
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
+  const SeedTrace seed;
   Rng rng(seed);
   // H and I span several 64-row tasks; the shared expert has its own intermediate size.
   const int64_t H = 160, I = 96, I_shared = 48, E = 6, T = 7;
   const int k = 3;
-  MoeLayer layer;
-  layer.hidden_size = H;
-  layer.intermediate_size = I;
-  layer.num_experts = E;
-  layer.routing.top_k = k;
-  for (int64_t e = 0; e < E; ++e) layer.experts.push_back(random_expert(rng, H, I));
-  layer.shared_expert = random_expert(rng, H, I_shared);
-  const std::vector<uint16_t> hidden = random_hidden(rng, T * H);
-  TopK topk = make_topk(T, k, std::vector<int32_t>(T * k), std::vector<float>(T * k));
-  for (int64_t i = 0; i < T * k; ++i) {
-    topk.ids[i] = rng.uniform_int(0, E - 1);
-    topk.weights[i] = static_cast<float>(rng.uniform(-0.5, 1.5));
-  }
-  topk.ids[1] = topk.ids[0];  // a repeated expert in token 0
+  MoeLayer layer = random_layer(rng, H, I, E, k, I_shared, std::nullopt, kAnyWeights);
+  const std::vector<uint16_t> hidden = random_hidden(rng, T, H, HiddenValues::kWideExponents);
+  const TopK topk = arbitrary_topk(rng, T, E, k);  // token 0 repeats an expert
 
   // Clamp at the median |g|, |u| of the unclamped run, so that it bites often.
   std::vector<double> pre_clamp;
@@ -661,8 +542,7 @@ TEST(ReferenceForward, RandomLayersMatchNaiveBitwise) {
 // (expert e uses pool[e % 8]); the forward still decodes every used expert on its own, so its
 // cost is that of a real layer.
 TEST(ReferenceForward, DeepSeekV3ShapedLayerRunsInSeconds) {
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
+  const SeedTrace seed;
   Rng rng(seed);
   const int64_t H = 7168, I = 2048, E = 256, T = 2;
   const auto t_build = std::chrono::steady_clock::now();
@@ -672,14 +552,14 @@ TEST(ReferenceForward, DeepSeekV3ShapedLayerRunsInSeconds) {
   layer.num_experts = E;
   layer.routing = {RoutingKind::kNoauxTc, 8, true, 8, 4, 2.5f};
   std::vector<ExpertWeights> pool;
-  for (int i = 0; i < 8; ++i) pool.push_back(random_expert(rng, H, I));
+  for (int i = 0; i < 8; ++i) pool.push_back(random_expert(rng, H, I, kAnyWeights));
   for (int64_t e = 0; e < E; ++e) layer.experts.push_back(pool[e % 8]);
-  layer.shared_expert = random_expert(rng, H, I);
+  layer.shared_expert = random_expert(rng, H, I, kAnyWeights);
   layer.router_weight.resize(E * H);
   for (float& w : layer.router_weight) w = static_cast<float>(rng.normal() * 0.02);
   layer.e_score_correction_bias.resize(E);
   for (float& b : layer.e_score_correction_bias) b = static_cast<float>(rng.uniform(-0.05, 0.05));
-  const std::vector<uint16_t> hidden = random_hidden(rng, T * H);
+  const std::vector<uint16_t> hidden = random_hidden(rng, T, H, HiddenValues::kWideExponents);
 
   const auto t0 = std::chrono::steady_clock::now();
   const std::vector<float> logits = reference::router_logits(layer, hidden, T);
@@ -867,40 +747,49 @@ TEST(ReferenceRouting, ZeroTokens) {
 TEST(ReferenceRouting, RejectsBadArguments) {
   const std::vector<float> l(16, 0.0f);
   const auto route = [](RoutingConfig c, std::vector<float> logits, int64_t t, int64_t e,
-                        std::vector<float> bias = {}) {
-    return [=] { reference::route(c, logits, t, e, bias); };
-  };
-  expect_invalid(route(softmax_cfg(0, true), l, 1, 16), {"top_k is 0", "[1, num_experts = 16]"});
-  expect_invalid(route(softmax_cfg(17, true), l, 1, 16), {"top_k is 17"});
-  expect_invalid(route(softmax_cfg(2, true), l, 1, 15), {"16 values", "tokens (1)"});
-  expect_invalid(route(softmax_cfg(2, true), l, -1, 16), {"tokens is -1"});
-  expect_invalid(route(softmax_cfg(2, true), {}, 0, 0), {"num_experts is 0"});
-  expect_invalid(route(softmax_cfg(2, true, NAN), l, 1, 16), {"routed_scaling_factor"});
-  expect_invalid(route(softmax_cfg(2, true, 0.0f), l, 1, 16), {"routed_scaling_factor is 0"});
-  expect_invalid(route(softmax_cfg(2, true), l, 1, 16, std::vector<float>(16, 0.0f)),
-                 {"softmax", "takes none"});
+                        std::vector<float> bias = {}) { reference::route(c, logits, t, e, bias); };
+  EXPECT_MEGAMOE_ERROR(route(softmax_cfg(0, true), l, 1, 16), kInvalidArgument,
+                       "top_k is 0", "[1, num_experts = 16]");
+  EXPECT_MEGAMOE_ERROR(route(softmax_cfg(17, true), l, 1, 16), kInvalidArgument, "top_k is 17");
+  EXPECT_MEGAMOE_ERROR(route(softmax_cfg(2, true), l, 1, 15), kInvalidArgument,
+                       "16 values", "tokens (1)");
+  EXPECT_MEGAMOE_ERROR(route(softmax_cfg(2, true), l, -1, 16), kInvalidArgument, "tokens is -1");
+  EXPECT_MEGAMOE_ERROR(route(softmax_cfg(2, true), {}, 0, 0), kInvalidArgument, "num_experts is 0");
+  EXPECT_MEGAMOE_ERROR(route(softmax_cfg(2, true, NAN), l, 1, 16), kInvalidArgument,
+                       "routed_scaling_factor");
+  EXPECT_MEGAMOE_ERROR(route(softmax_cfg(2, true, 0.0f), l, 1, 16), kInvalidArgument,
+                       "routed_scaling_factor is 0");
+  EXPECT_MEGAMOE_ERROR(route(softmax_cfg(2, true), l, 1, 16, std::vector<float>(16, 0.0f)),
+                       kInvalidArgument, "softmax", "takes none");
   std::vector<float> bad = l;
   bad[13] = NAN;
-  expect_invalid(route(softmax_cfg(2, true), bad, 2, 8), {"token 1, expert 5", "finite"});
+  EXPECT_MEGAMOE_ERROR(route(softmax_cfg(2, true), bad, 2, 8), kInvalidArgument,
+                       "token 1, expert 5", "finite");
   bad[13] = -INFINITY;
-  expect_invalid(route(noaux_cfg(2, 2, 1, true, 1), bad, 1, 16), {"expert 13", "finite"});
+  EXPECT_MEGAMOE_ERROR(route(noaux_cfg(2, 2, 1, true, 1), bad, 1, 16), kInvalidArgument,
+                       "expert 13", "finite");
 
-  expect_invalid(route(noaux_cfg(4, 3, 2, true, 1), l, 1, 16), {"n_group is 3", "divide"});
-  expect_invalid(route(noaux_cfg(4, 0, 1, true, 1), l, 1, 16), {"n_group is 0"});
-  expect_invalid(route(noaux_cfg(1, 16, 2, true, 1), l, 1, 16), {"at least 2 experts"});
-  expect_invalid(route(noaux_cfg(4, 4, 0, true, 1), l, 1, 16),
-                 {"topk_group is 0", "[1, n_group = 4]"});
-  expect_invalid(route(noaux_cfg(4, 4, 5, true, 1), l, 1, 16), {"topk_group is 5"});
-  expect_invalid(route(noaux_cfg(9, 4, 2, true, 1), l, 1, 16), {"top_k is 9", "hold only 8"});
-  expect_invalid(route(noaux_cfg(4, 4, 2, true, 1), l, 1, 16, std::vector<float>(15, 0.0f)),
-                 {"bias holds 15", "num_experts (16)"});
+  EXPECT_MEGAMOE_ERROR(route(noaux_cfg(4, 3, 2, true, 1), l, 1, 16), kInvalidArgument,
+                       "n_group is 3", "divide");
+  EXPECT_MEGAMOE_ERROR(route(noaux_cfg(4, 0, 1, true, 1), l, 1, 16), kInvalidArgument,
+                       "n_group is 0");
+  EXPECT_MEGAMOE_ERROR(route(noaux_cfg(1, 16, 2, true, 1), l, 1, 16), kInvalidArgument,
+                       "at least 2 experts");
+  EXPECT_MEGAMOE_ERROR(route(noaux_cfg(4, 4, 0, true, 1), l, 1, 16), kInvalidArgument,
+                       "topk_group is 0", "[1, n_group = 4]");
+  EXPECT_MEGAMOE_ERROR(route(noaux_cfg(4, 4, 5, true, 1), l, 1, 16), kInvalidArgument,
+                       "topk_group is 5");
+  EXPECT_MEGAMOE_ERROR(route(noaux_cfg(9, 4, 2, true, 1), l, 1, 16), kInvalidArgument,
+                       "top_k is 9", "hold only 8");
+  EXPECT_MEGAMOE_ERROR(route(noaux_cfg(4, 4, 2, true, 1), l, 1, 16, std::vector<float>(15, 0.0f)),
+                       kInvalidArgument, "bias holds 15", "num_experts (16)");
   std::vector<float> bad_bias(16, 0.0f);
   bad_bias[7] = INFINITY;
-  expect_invalid(route(noaux_cfg(4, 4, 2, true, 1), l, 1, 16, bad_bias),
-                 {"expert 7", "finite"});
+  EXPECT_MEGAMOE_ERROR(route(noaux_cfg(4, 4, 2, true, 1), l, 1, 16, bad_bias), kInvalidArgument,
+                       "expert 7", "finite");
   RoutingConfig unknown = softmax_cfg(2, true);
   unknown.kind = static_cast<RoutingKind>(7);
-  expect_invalid(route(unknown, l, 1, 16), {"routing kind 7"});
+  EXPECT_MEGAMOE_ERROR(route(unknown, l, 1, 16), kInvalidArgument, "routing kind 7");
 }
 
 TEST(ReferenceRouting, RouterLogits) {
@@ -926,14 +815,16 @@ TEST(ReferenceRouting, RouterLogits) {
   EXPECT_EQ(logits, (std::vector<float>{0.5f * -2 - 3 * 11, 56, -4 + -3,
                                         -3 * 0x1p100f, 1 + 0x1p100f, 1.0f}));
 
-  expect_invalid([&] { reference::router_logits(layer, to_bf16(x), 3); },
-                 {"hidden holds 32", "tokens (3)"});
-  expect_invalid([&] { reference::router_logits(layer, to_bf16(x), -1); }, {"tokens is -1"});
+  EXPECT_MEGAMOE_ERROR(reference::router_logits(layer, to_bf16(x), 3), kInvalidArgument,
+                       "hidden holds 32", "tokens (3)");
+  EXPECT_MEGAMOE_ERROR(reference::router_logits(layer, to_bf16(x), -1), kInvalidArgument,
+                       "tokens is -1");
   layer.router_weight.pop_back();
-  expect_invalid([&] { reference::router_logits(layer, to_bf16(x), 2); },
-                 {"router_weight holds 47"});
+  EXPECT_MEGAMOE_ERROR(reference::router_logits(layer, to_bf16(x), 2), kInvalidArgument,
+                       "router_weight holds 47");
   layer.router_weight.clear();
-  expect_invalid([&] { reference::router_logits(layer, to_bf16(x), 2); }, {"no router weight"});
+  EXPECT_MEGAMOE_ERROR(reference::router_logits(layer, to_bf16(x), 2), kInvalidArgument,
+                       "no router weight");
 }
 
 }  // namespace

@@ -12,7 +12,6 @@
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
-#include <iostream>
 #include <map>
 #include <optional>
 #include <random>
@@ -23,7 +22,8 @@
 
 #include "megamoe/safetensors.h"
 #include "megamoe/status.h"
-#include "error_matchers.h"
+#include "tests/common/error_matchers.h"
+#include "tests/common/test_util.h"
 
 namespace {
 
@@ -40,24 +40,10 @@ constexpr DType kAllDTypes[] = {DType::BF16, DType::F16,     DType::F32,
                                 DType::I64,  DType::F8_E4M3, DType::F8_E5M2};
 
 
-// A fresh directory per test, removed with everything in it at the end; the seed of the test's
-// random data is printed when the test fails.
+// A fresh directory per test, removed with everything in it at the end, and a fresh seed for the
+// test's random data, named in every failure.
 class SafetensorsTest : public testing::Test {
  protected:
-  void SetUp() override {
-    seed_ = std::random_device{}();
-    rng_.seed(seed_);
-    const auto* info = testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("megamoe_st_" + std::string(info->name()) + "_" + std::to_string(::getpid()) + "_" +
-            std::to_string(seed_));
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    if (HasFailure()) std::cerr << "random seed of this test: " << seed_ << "\n";
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
 
   std::string path(const std::string& name) const { return (dir_ / name).string(); }
 
@@ -81,9 +67,10 @@ class SafetensorsTest : public testing::Test {
     return p;
   }
 
-  fs::path dir_;
-  uint32_t seed_ = 0;
-  std::mt19937_64 rng_;
+  const megamoe::testing::ScratchDir scratch_{"megamoe_st"};
+  const fs::path dir_ = scratch_.path();
+  const megamoe::testing::SeedTrace seed_;
+  std::mt19937_64 rng_{seed_};
 };
 
 std::vector<uint8_t> read_file(const std::string& p) {

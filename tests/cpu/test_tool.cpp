@@ -38,6 +38,7 @@
 #include "megamoe/reference.h"
 #include "megamoe/safetensors.h"
 #include "megamoe/status.h"
+#include "tests/common/test_util.h"
 
 namespace {
 
@@ -49,11 +50,6 @@ using megamoe::TensorSpec;
 using nlohmann::json;
 
 // ---- helpers ---------------------------------------------------------------------------------
-
-uint64_t fresh_seed() {
-  std::random_device rd;
-  return (uint64_t(rd()) << 32) ^ rd();
-}
 
 struct ToolResult {
   int code = -1;
@@ -162,13 +158,8 @@ std::vector<uint8_t> to_bytes(const std::vector<T>& v) {
 
 class TempDir : public testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("megamoe_tool_test_" + std::to_string(fresh_seed() % 1000000000000ull));
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  fs::path dir_;
+  const megamoe::testing::ScratchDir scratch_{"megamoe_tool_test"};
+  const fs::path dir_ = scratch_.path();
 };
 
 // ---- presets and synth_weight ------------------------------------------------------------------
@@ -224,8 +215,7 @@ TEST(SynthPresets, DesignTableAndLookup) {
 }
 
 TEST(SynthWeight, PureDeterministicAndNameDependent) {
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const megamoe::testing::SeedTrace seed;
   const std::string name = "model.layers.0.mlp.experts.5.gate_proj.weight";
   const std::vector<float> a = megamoe::synth_weight(seed, name, 37, 96);
   // Other tensors generated in between change nothing: there is no generator state.
@@ -250,8 +240,7 @@ TEST(SynthWeight, PureDeterministicAndNameDependent) {
 }
 
 TEST(SynthWeight, RealisticDistribution) {
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const megamoe::testing::SeedTrace seed;
   const int64_t rows = 512, cols = 2048;
   const std::vector<float> w =
       megamoe::synth_weight(seed, "model.layers.0.mlp.experts.0.gate_proj.weight", rows, cols);
@@ -304,8 +293,7 @@ TEST(SynthWeight, RealisticDistribution) {
 class SynthCheckpoint : public TempDir {};
 
 TEST_F(SynthCheckpoint, LayerLoadsWithRecipeBytesAndDistinctGlobalScales) {
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const megamoe::testing::SeedTrace seed;
   // A small DeepSeek-style preset: grouped noaux_tc, a shared expert twice as wide, a clamp.
   megamoe::ModelPreset p = megamoe::find_preset("deepseek-v3");
   p.name = "tiny-deepseek";
@@ -529,7 +517,6 @@ class ToolSynth : public TempDir {
  protected:
   // qwen3-30b-a3b with 4 experts (H 2048, I 768): small enough for a test, real shapes.
   void synth() {
-    seed_ = fresh_seed();
     ckpt_ = dir_ / "ckpt";
     const ToolResult r =
         run_tool("synth --preset qwen3-30b-a3b --num-experts 4 --threads 2 --seed " +
@@ -552,13 +539,12 @@ class ToolSynth : public TempDir {
     return megamoe::load_moe_layer(Checkpoint::open(ckpt_.string()),
                                    megamoe::load_model_config(ckpt_.string()), 0);
   }
-  uint64_t seed_ = 0;
+  const megamoe::testing::SeedTrace seed_;  // of the checkpoint and the inputs
   fs::path ckpt_;
 };
 
 TEST_F(ToolSynth, InspectFindsFormatAndLayer) {
   ASSERT_NO_FATAL_FAILURE(synth());
-  SCOPED_TRACE(testing::Message() << "seed " << seed_);
   const ToolResult text = run_tool("inspect " + q(ckpt_));
   ASSERT_EQ(text.code, 0) << text.output;
   EXPECT_NE(text.output.find("format: ModelOpt NVFP4"), std::string::npos) << text.output;
@@ -614,7 +600,6 @@ TEST_F(ToolSynth, RunOnGpuMatchesReference) {
   }
   ASSERT_NO_FATAL_FAILURE(synth());
   std::mt19937_64 rng(seed_);
-  SCOPED_TRACE(testing::Message() << "seed " << seed_);
   const int64_t T = 37;
   const std::vector<uint16_t> hidden = random_hidden(rng, T);
   const fs::path x = dir_ / "x.safetensors";
@@ -636,14 +621,10 @@ TEST_F(ToolSynth, RunOnGpuMatchesReference) {
     EXPECT_EQ(read_tensor<int32_t>(*got_file, "topk_ids"), read_tensor<int32_t>(*ref, "topk_ids"));
     const std::vector<uint16_t> got = read_tensor<uint16_t>(*got_file, "output");
     ASSERT_EQ(got.size(), want.size());
-    double num = 0, den = 0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      const double g = megamoe::bf16_to_f32(got[i]), w = megamoe::bf16_to_f32(want[i]);
-      ASSERT_TRUE(std::isfinite(g)) << p << " element " << i;
-      num += (g - w) * (g - w);
-      den += w * w;
-    }
-    EXPECT_LE(std::sqrt(num / den), 2e-3) << p;
+    const megamoe::testing::ErrorStats e =
+        megamoe::testing::compare(got, megamoe::testing::widen(want));
+    EXPECT_EQ(e.nonfinite, 0) << p;
+    EXPECT_LE(e.rel_l2, megamoe::testing::kMaxRelL2) << p;
   }
   EXPECT_EQ(raw_bytes(*SafetensorsFile::open(y_det1.string()), "output"),
             raw_bytes(*SafetensorsFile::open(y_det2.string()), "output"))
@@ -659,7 +640,6 @@ TEST_F(ToolSynth, RunPrecisionW4a8FailsClearlyAutoRunsW4a16) {
   }
   ASSERT_NO_FATAL_FAILURE(synth());
   std::mt19937_64 rng(seed_);
-  SCOPED_TRACE(testing::Message() << "seed " << seed_);
   const int64_t T = 9;
   const fs::path x = dir_ / "x.safetensors";
   write_file(x, {{{"hidden", DType::BF16, {T, 2048}}, to_bytes(random_hidden(rng, T))}});
@@ -689,7 +669,6 @@ TEST_F(ToolSynth, RunExpertParallelPrecisionW4a8FailsClearly) {
   }
   ASSERT_NO_FATAL_FAILURE(synth());
   std::mt19937_64 rng(seed_);
-  SCOPED_TRACE(testing::Message() << "seed " << seed_);
   const fs::path x = dir_ / "x.safetensors", y = dir_ / "y.safetensors";
   // Given top-1 routing: each rank holds 2 of the 4 experts, fewer than the layer's top-k.
   const std::vector<int32_t> ids = {0, 3, 1, 2};
@@ -715,7 +694,6 @@ TEST_F(ToolSynth, RunExpertParallelMatchesReference) {
   if (gpu_count() < 2) {
     GTEST_SKIP() << "fewer than 2 CUDA devices: `megamoe run --ep 2` test skipped (run it on a 2-GPU machine)";
   }
-  seed_ = fresh_seed();
   ckpt_ = dir_ / "ckpt16";
   // DeepSeek-V4-Flash's shapes (H 4096, I 2048, top-6, a shared expert, SwiGLU clamp) with 16
   // experts: 8 per rank (a rank's local layer takes a token's k ids).
@@ -723,7 +701,6 @@ TEST_F(ToolSynth, RunExpertParallelMatchesReference) {
                           std::to_string(seed_) + " " + q(ckpt_));
   ASSERT_EQ(r.code, 0) << r.output;
   std::mt19937_64 rng(seed_);
-  SCOPED_TRACE(testing::Message() << "seed " << seed_);
   struct Case {
     std::string name;
     int64_t T;
@@ -766,14 +743,10 @@ TEST_F(ToolSynth, RunExpertParallelMatchesReference) {
     const std::vector<uint16_t> want = read_tensor<uint16_t>(*ref, "output");
     const std::vector<uint16_t> got = read_tensor<uint16_t>(*got_file, "output");
     ASSERT_EQ(got.size(), want.size());
-    double num = 0, den = 0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      const double g = megamoe::bf16_to_f32(got[i]), w = megamoe::bf16_to_f32(want[i]);
-      ASSERT_TRUE(std::isfinite(g)) << "element " << i;
-      num += (g - w) * (g - w);
-      den += w * w;
-    }
-    EXPECT_LE(std::sqrt(num / den), 2e-3);
+    const megamoe::testing::ErrorStats e =
+        megamoe::testing::compare(got, megamoe::testing::widen(want));
+    EXPECT_EQ(e.nonfinite, 0);
+    EXPECT_LE(e.rel_l2, megamoe::testing::kMaxRelL2);
     if (c.T == 37) {
       const fs::path d1 = dir_ / "det1.safetensors", d2 = dir_ / "det2.safetensors";
       for (const fs::path& d : {d1, d2}) {
@@ -832,8 +805,8 @@ TEST_F(ToolSynth, BenchExpertParallel) {
     EXPECT_GT(p["us"].get<double>(), 0.0);
     EXPECT_GT(p["floor_us"].get<double>(), 0.0);
     ASSERT_EQ(p["ranks"].size(), 2u);
-    EXPECT_LE(p["ranks"][0]["check_rel_l2"].get<double>(), 2e-3);
-    EXPECT_LE(p["ranks"][1]["unfused_rel_l2_vs_ep"].get<double>(), 2e-3);
+    EXPECT_LE(p["ranks"][0]["check_rel_l2"].get<double>(), megamoe::testing::kMaxRelL2);
+    EXPECT_LE(p["ranks"][1]["unfused_rel_l2_vs_ep"].get<double>(), megamoe::testing::kMaxRelL2);
     EXPECT_GT(p["unfused"]["us"].get<double>(), p["unfused"]["compute_us"].get<double>());
     EXPECT_EQ(p["single_gpu"]["ran"], true);
     EXPECT_EQ(p["tokens"].get<int64_t>(), 2 * p["tokens_per_rank"].get<int64_t>());
@@ -848,7 +821,6 @@ TEST_F(ToolSynth, BenchSkipsPointsAnOverrideCannotRun) {
     GTEST_SKIP() << "no CUDA device: `megamoe bench` test skipped (run it on the GPU machine)";
   }
   ASSERT_NO_FATAL_FAILURE(synth());
-  SCOPED_TRACE(testing::Message() << "seed " << seed_);
   const fs::path out = dir_ / "bench.json";
   // 4 experts: T=1 puts at most 1 token on an expert, T=64 puts 64 * top_k / 4 on one on average,
   // past the fused launch's 24.
@@ -897,7 +869,6 @@ TEST_F(ToolSynth, BenchPointInputsDependOnSeedAndTOnly) {
     GTEST_SKIP() << "no CUDA device: `megamoe bench` test skipped (run it on the GPU machine)";
   }
   ASSERT_NO_FATAL_FAILURE(synth());
-  SCOPED_TRACE(testing::Message() << "seed " << seed_);
   auto bench = [&](const std::string& name, const std::string& flags) {
     const fs::path out = dir_ / name;
     const ToolResult r = run_tool("bench --checkpoint " + q(ckpt_) + " --replays 20 " + flags + " --json " + q(out));
@@ -928,7 +899,6 @@ TEST_F(ToolSynth, BenchPointInputsDependOnSeedAndTOnly) {
 TEST_F(ToolSynth, ReferenceWithGivenAndComputedRouting) {
   ASSERT_NO_FATAL_FAILURE(synth());
   std::mt19937_64 rng(seed_);
-  SCOPED_TRACE(testing::Message() << "seed " << seed_);
   const int64_t T = 5;
   const std::vector<uint16_t> hidden = random_hidden(rng, T);
   const megamoe::MoeLayer layer = load_layer();
@@ -998,7 +968,6 @@ TEST_F(ToolSynth, ReferenceWithGivenAndComputedRouting) {
 TEST_F(ToolSynth, ReferencePrecisionW4a8IsTheEmulation) {
   ASSERT_NO_FATAL_FAILURE(synth());
   std::mt19937_64 rng(seed_);
-  SCOPED_TRACE(testing::Message() << "seed " << seed_);
   const int64_t T = 6;
   const std::vector<uint16_t> hidden = random_hidden(rng, T);
   megamoe::reference::TopK topk;
@@ -1210,8 +1179,7 @@ class ToolQuantize : public TempDir {
 };
 
 TEST_F(ToolQuantize, MatchesRecipeBitForBitAndCopiesTheRest) {
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const megamoe::testing::SeedTrace seed;
   make_input(seed);
   ToolResult r = run_tool("quantize " + q(in_) + " " + q(out_));
   ASSERT_EQ(r.code, 0) << r.output;
@@ -1230,8 +1198,7 @@ TEST_F(ToolQuantize, MatchesRecipeBitForBitAndCopiesTheRest) {
 }
 
 TEST_F(ToolQuantize, DequantizeRoundTripEqualsFormatDequantize) {
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const megamoe::testing::SeedTrace seed;
   make_input(seed);
   const fs::path back = dir_ / "back.safetensors";
   ToolResult r = run_tool("quantize " + q(in_) + " " + q(out_) + " --exclude big");
@@ -1265,8 +1232,7 @@ TEST_F(ToolQuantize, DequantizeRoundTripEqualsFormatDequantize) {
 // Random NVFP4 linears in both layouts, with every byte value for codes and every valid scale
 // code (subnormals included).
 TEST_F(ToolQuantize, DequantizeBothLayoutsDropsInputScales) {
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const megamoe::testing::SeedTrace seed;
   std::mt19937_64 rng(seed);
   const int64_t rows = 24, cols = 128;
   auto random_codes = [&] {
@@ -1337,8 +1303,7 @@ TEST_F(ToolQuantize, DequantizeBothLayoutsDropsInputScales) {
 // an all-zero group gets the exporter's zero signature. Checked for both global-scale divisions.
 TEST_F(ToolQuantize, FusedGroupsShareOneGlobalScale) {
   using megamoe::format::ExportDevice;
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  const megamoe::testing::SeedTrace seed;
   std::mt19937_64 rng(seed);
   const std::string e0 = "model.layers.1.mlp.experts.0.", sh = "model.layers.1.mlp.shared_experts.",
                     at = "model.layers.0.self_attn.", e1 = "model.layers.1.mlp.experts.1.";

@@ -4,7 +4,6 @@
 // and every error. Fresh random data each run; the seed is in every failure's trace.
 #include <gtest/gtest.h>
 
-#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -21,7 +20,7 @@
 #include <utility>
 #include <vector>
 
-#include "error_matchers.h"
+#include "tests/common/error_matchers.h"
 #include "megamoe/checkpoint.h"
 #include "megamoe/dtype.h"
 #include "megamoe/moe.h"
@@ -29,16 +28,12 @@
 #include "megamoe/safetensors.h"
 #include "megamoe/status.h"
 #include "megamoe/tp.h"
-// The random layers, hidden states and routings of the GPU tests (host-only code): realistic
-// block-scale spreads, so the outputs look like a real layer's.
-#include "tests/gpu/moe_test_util.h"
+#include "tests/common/test_util.h"
 
 namespace megamoe {
 namespace {
 
 namespace fs = std::filesystem;
-
-unsigned fresh_seed() { return std::random_device{}(); }
 
 // ---------------------------------------------------------------------------------------------
 // Ranges
@@ -104,9 +99,8 @@ void expect_slice_bytes(const Nvfp4Linear& got, const Nvfp4Linear& whole, int64_
 }
 
 TEST(TpSlice, EveryRanksSliceIsTheWholeTensorsBytes) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed=" << seed);
-  std::mt19937 rng(seed);
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   const int64_t H = 128, I = 512, E = 3, Is = 1024;
   MoeLayer layer = testing::random_layer(rng, H, I, E, 2, Is, 7.0f);
   layer.router_weight.assign(static_cast<size_t>(E * H), 0.25f);
@@ -149,7 +143,8 @@ TEST(TpSlice, EveryRanksSliceIsTheWholeTensorsBytes) {
 }
 
 TEST(TpSlice, RejectsWhatCannotBeSliced) {
-  std::mt19937 rng(fresh_seed());
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   // A shared expert whose I splits over 2 but not into multiples of 64.
   const MoeLayer odd_shared = testing::random_layer(rng, 64, 256, 2, 1, 320);
   EXPECT_NO_THROW(tp_local_layer(odd_shared, TpConfig{1, 0}));
@@ -210,7 +205,6 @@ void check_partials_sum_to_whole(const MoeLayer& layer, const std::vector<uint16
       EXPECT_EQ(0, std::memcmp(sum32.data(), whole32.data(), sum32.size() * sizeof(float)))
           << "one rank's partial is the whole layer's fp32 output";
     }
-    double num = 0, den = 0;
     int64_t over_bound = 0, one_ulp = 0, more = 0;
     for (size_t i = 0; i < sum32.size(); ++i) {
       double abs_partials = 0;
@@ -225,8 +219,6 @@ void check_partials_sum_to_whole(const MoeLayer& layer, const std::vector<uint16
                         << ", |diff| " << diff << " > bound " << bound;
         }
       }
-      num += diff * diff;
-      den += double(whole32[i]) * whole32[i];
       // Where the partials cancel (the output far below their magnitudes), bf16 ulps are tiny and
       // the fp32 difference allowed above spans many of them: there the rounded outputs must
       // agree within one bf16 ulp of the partials' magnitude instead (docs/design.md §7.1).
@@ -236,7 +228,7 @@ void check_partials_sum_to_whole(const MoeLayer& layer, const std::vector<uint16
       one_ulp += ulps == 1;
       more += ulps > 1 && !cancelled;
     }
-    const double rel_l2 = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+    const double rel_l2 = testing::rel_l2(sum32, whole32);
     *worst_rel_l2 = std::max(*worst_rel_l2, rel_l2);
     EXPECT_EQ(over_bound, 0);
     EXPECT_LE(rel_l2, 1e-6);
@@ -246,9 +238,8 @@ void check_partials_sum_to_whole(const MoeLayer& layer, const std::vector<uint16
 }
 
 TEST(TpReference, PartialsSumToTheWholeLayer) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed=" << seed);
-  std::mt19937 rng(seed);
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   const int64_t T = 6;
   // Shapes like the presets' (I a multiple of 64·R, the shared expert 1x or 2x I), small enough
   // for a few seconds: up to 4-way TP at I = 256, 8-way at I = 512.
@@ -282,9 +273,8 @@ TEST(TpReference, PartialsSumToTheWholeLayer) {
 // Repeated ids count twice on every rank, and a routing weight of 0 leaves only the shared
 // expert: both distribute over the ranks like any other weight.
 TEST(TpReference, RepeatedIdsAndZeroWeightsDistributeOverRanks) {
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed=" << seed);
-  std::mt19937 rng(seed);
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   const MoeLayer layer = testing::random_layer(rng, 64, 256, 4, 3, 256);
   const auto hidden = testing::random_hidden(rng, 3, 64);
   reference::TopK topk;
@@ -325,21 +315,9 @@ struct Poison {
   std::function<bool(const std::string&, int64_t, int64_t)> at;
 };
 
+// A scratch directory and a fresh seed (in every failure's trace) per test.
 class TpLoad : public ::testing::Test {
  protected:
-  void SetUp() override {
-    seed_ = fresh_seed();
-    rng_.seed(seed_);
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() / ("megamoe_tp_" + std::string(info->name()) + "_" +
-                                        std::to_string(::getpid()) + "_" + std::to_string(seed_));
-    fs::create_directories(dir_);
-  }
-  void TearDown() override {
-    if (HasFailure()) std::fprintf(stderr, "random seed of this test: %u\n", seed_);
-    std::error_code ec;
-    fs::remove_all(dir_, ec);
-  }
 
   // dir_/name: a DeepSeek-V3-style checkpoint (config.json + model.safetensors, ModelOpt names)
   // of one MoE layer holding the bytes of `layer`, except that every block `poison` names gets a
@@ -429,9 +407,10 @@ class TpLoad : public ::testing::Test {
     return {Checkpoint::open(dir), load_model_config(dir)};
   }
 
-  unsigned seed_ = 0;
-  std::mt19937 rng_;
-  fs::path dir_;
+  const testing::ScratchDir scratch_{"megamoe_tp"};
+  const fs::path dir_ = scratch_.path();
+  const testing::SeedTrace seed_;
+  testing::Rng rng_{seed_};
 };
 
 void expect_same_linear(const Nvfp4Linear& a, const Nvfp4Linear& b, const std::string& what) {
@@ -463,7 +442,6 @@ void expect_same_layer(const MoeLayer& a, const MoeLayer& b) {
 }
 
 TEST_F(TpLoad, RankLoadIsTheSliceOfTheWholeLoad) {
-  SCOPED_TRACE(::testing::Message() << "seed=" << seed_);
   const MoeLayer layer = random_layer(64, 256, 4, 2, 512);
   const std::string dir = write("clean", layer, nullptr);
   // Named, not a structured binding: lambdas below capture them (clang 14 cannot capture bindings).
@@ -491,7 +469,6 @@ TEST_F(TpLoad, RankLoadIsTheSliceOfTheWholeLoad) {
 // and its reference output is the clean checkpoint's bitwise (it never read those bytes); the
 // whole-layer load and the other ranks' loads report the bad scale in whole-tensor coordinates.
 TEST_F(TpLoad, RankReadsOnlyItsSlice) {
-  SCOPED_TRACE(::testing::Message() << "seed=" << seed_);
   const int64_t H = 64, I = 256, E = 4, Is = 512;
   const int R = 4;
   const MoeLayer layer = random_layer(H, I, E, 2, Is);

@@ -18,11 +18,9 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
-#include <initializer_list>
 #include <limits>
 #include <map>
 #include <optional>
-#include <random>
 #include <set>
 #include <span>
 #include <string>
@@ -35,6 +33,9 @@
 #include "megamoe/presets.h"
 #include "megamoe/reference.h"
 #include "megamoe/status.h"
+#include "tests/common/error_matchers.h"
+#include "tests/common/oracles.h"
+#include "tests/common/test_util.h"
 
 namespace megamoe {
 namespace {
@@ -42,12 +43,10 @@ namespace {
 using format::E4m3Overflow;
 using reference::ForwardOptions;
 using reference::TopK;
+using namespace testing;  // the shared generators and oracles (tests/common)
 
 // ---------------------------------------------------------------------------------------------
 // Helpers and independent oracles
-
-// Every e2m1 code's value (docs/design.md §2), written out: bit 3 is the sign.
-constexpr double kE2m1[16] = {0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6};
 
 // The value of a non-negative e4m3 code, from the format's definition (not format::).
 double e4m3_value(int code) {
@@ -86,90 +85,6 @@ int rescale_by_counting(const std::vector<uint8_t>& scales) {
   int k = -40;
   while (6 * s * std::ldexp(1.0, -k) > 448.0) ++k;
   return k;
-}
-
-// Rounds a double to bf16 independently of the library: round-to-odd onto fp32, then RNE.
-uint16_t bf16_of(double v) {
-  float f = static_cast<float>(v);
-  if (std::isfinite(v) && static_cast<double>(f) != v) {
-    if (std::fabs(static_cast<double>(f)) > std::fabs(v)) f = std::nextafter(f, 0.0f);
-    uint32_t bits;
-    std::memcpy(&bits, &f, 4);
-    bits |= 1u;
-    std::memcpy(&f, &bits, 4);
-  }
-  return f32_to_bf16(f);
-}
-
-double silu(double g) { return g / (1.0 + std::exp(-g)); }
-
-void expect_invalid(const std::function<void()>& fn, std::initializer_list<std::string> parts) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected megamoe::Error(kInvalidArgument), nothing was thrown";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
-    for (const std::string& p : parts) {
-      EXPECT_NE(std::string(e.what()).find(p), std::string::npos)
-          << "message \"" << e.what() << "\" lacks \"" << p << "\"";
-    }
-  }
-}
-
-struct Rng {
-  explicit Rng(uint64_t seed) : gen(seed) {}
-  std::mt19937_64 gen;
-  int uniform_int(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(gen); }
-  double uniform(double lo, double hi) {
-    return std::uniform_real_distribution<double>(lo, hi)(gen);
-  }
-  double normal() { return std::normal_distribution<double>(0.0, 1.0)(gen); }
-};
-
-uint64_t fresh_seed() {
-  std::random_device rd;
-  return (uint64_t{rd()} << 32) | rd();
-}
-
-// A [rows, cols] NVFP4 linear built element by element (codes all 0, scales all 1.0 = 0x38).
-struct LinearBuilder {
-  int64_t rows, cols;
-  std::vector<uint8_t> codes, scales;
-  LinearBuilder(int64_t r, int64_t c)
-      : rows(r), cols(c), codes(r * c, 0), scales(r * c / 16, 0x38) {}
-  LinearBuilder& code(int64_t r, int64_t c, uint8_t v) {
-    codes[r * cols + c] = v;
-    return *this;
-  }
-  LinearBuilder& scale(int64_t r, int64_t block, uint8_t byte) {
-    scales[r * (cols / 16) + block] = byte;
-    return *this;
-  }
-  Nvfp4Linear build(float s2) const {
-    std::vector<uint8_t> packed(rows * cols / 2);
-    for (size_t j = 0; j < packed.size(); ++j) {
-      packed[j] = format::pack_e2m1_pair(codes[2 * j], codes[2 * j + 1]);
-    }
-    return make_owned_linear(rows, cols, packed, scales, s2);
-  }
-};
-
-TopK make_topk(int64_t tokens, int k, std::vector<int32_t> ids, std::vector<float> weights) {
-  TopK t;
-  t.tokens = tokens;
-  t.k = k;
-  t.ids = std::move(ids);
-  t.weights = std::move(weights);
-  return t;
-}
-
-double rel_l2(const std::vector<float>& got, const std::vector<float>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    num += (double{got[i]} - want[i]) * (double{got[i]} - want[i]);
-    den += double{want[i]} * want[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -217,8 +132,7 @@ TEST(W4a8Codec, F64ToE4m3EveryValueTieAndBoundary) {
 }
 
 TEST(W4a8Codec, F64ToE4m3AgreesWithSearchAndWithTheFp32Codec) {
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
+  const SeedTrace seed;
   Rng rng(seed);
   for (int i = 0; i < 200000; ++i) {
     // Random significands over exponents from below the subnormals to past the saturation.
@@ -247,14 +161,13 @@ TEST(W4a8Codec, ActScaleExponentHandValues) {
   EXPECT_EQ(format::w4a8_act_scale_exponent(448 * 0x1p-126), -126);
   EXPECT_EQ(format::w4a8_act_scale_exponent(448 * 0x1p-125), -125);
   EXPECT_EQ(format::w4a8_act_scale_exponent(std::nextafter(448 * 0x1p-126, 1.0)), -125);
-  expect_invalid([] { format::w4a8_act_scale_exponent(-1.0); }, {"amax = -1"});
-  expect_invalid([] { format::w4a8_act_scale_exponent(INFINITY); }, {"finite"});
-  expect_invalid([] { format::w4a8_act_scale_exponent(std::nan("")); }, {"finite"});
+  EXPECT_MEGAMOE_ERROR(format::w4a8_act_scale_exponent(-1.0), kInvalidArgument, "amax = -1");
+  EXPECT_MEGAMOE_ERROR(format::w4a8_act_scale_exponent(INFINITY), kInvalidArgument, "finite");
+  EXPECT_MEGAMOE_ERROR(format::w4a8_act_scale_exponent(std::nan("")), kInvalidArgument, "finite");
 }
 
 TEST(W4a8Codec, ActScaleExponentAgreesWithCounting) {
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
+  const SeedTrace seed;
   Rng rng(seed);
   for (int i = 0; i < 100000; ++i) {
     const double amax = std::ldexp(rng.uniform(0.5, 1.0), rng.uniform_int(-140, 128));
@@ -297,17 +210,16 @@ TEST(W4a8Codec, QuantizeActivationHandValues) {
   std::vector<int32_t> e1(1);
   std::vector<double> bad(128, 1.0);
   bad[77] = INFINITY;
-  expect_invalid([&] { format::quantize_activation_w4a8(bad, 1, 128, c1, e1); },
-                 {"[0, 77]", "finite"});
+  EXPECT_MEGAMOE_ERROR(format::quantize_activation_w4a8(bad, 1, 128, c1, e1), kInvalidArgument,
+                       "[0, 77]", "finite");
   std::vector<double> x80(80);
   std::vector<uint8_t> c80(80);
-  expect_invalid([&] { format::quantize_activation_w4a8(x80, 1, 80, c80, e1); },
-                 {"multiple of 128"});
+  EXPECT_MEGAMOE_ERROR(format::quantize_activation_w4a8(x80, 1, 80, c80, e1), kInvalidArgument,
+                       "multiple of 128");
 }
 
 TEST(W4a8Codec, QuantizeActivationRandomBlocksAgainstOracles) {
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
+  const SeedTrace seed;
   Rng rng(seed);
   const int64_t rows = 5, cols = 1024;
   std::vector<double> x(rows * cols);
@@ -356,11 +268,10 @@ TEST(W4a8Codec, WeightRescaleOnCraftedScaleSets) {
   EXPECT_EQ(k(V{0x07, 0x02}), -12);      // 7·2^-9: 42·2^-9·2^12 = 336, 2^13 gives 672
   EXPECT_EQ(k(V{0x00, 0x00}), 0);        // all zero: nothing to scale
   EXPECT_EQ(k(V{}), 0);
-  expect_invalid([&] { k(V{0x38, 0x38, 0x80}); }, {"block scale 2", "0x80"});
-  expect_invalid([&] { k(V{0x7F}); }, {"block scale 0", "0x7F"});
+  EXPECT_MEGAMOE_ERROR(k(V{0x38, 0x38, 0x80}), kInvalidArgument, "block scale 2", "0x80");
+  EXPECT_MEGAMOE_ERROR(k(V{0x7F}), kInvalidArgument, "block scale 0", "0x7F");
 
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
+  const SeedTrace seed;
   Rng rng(seed);
   for (int i = 0; i < 2000; ++i) {
     V s(rng.uniform_int(1, 40));
@@ -423,8 +334,7 @@ TEST(W4a8Codec, KernelFormsOfTheDocumentAgree) {
     const uint32_t M = u & 0x7FFFFF;
     return F == 0 ? -126 : std::max(-126, F - 135 + (M > 0x600000u ? 1 : 0));
   };
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
+  const SeedTrace seed;
   Rng rng(seed);
   for (const float amax : {0.0f, 448.0f, std::nextafter(448.0f, 1e9f), 224.0f, 1.0f, 1.75f,
                            std::nextafter(1.75f, 9.0f), FLT_MIN, 1e-40f, FLT_MAX}) {
@@ -493,7 +403,8 @@ TEST(W4a8Codec, WeightStatsCountEveryKind) {
   LinearBuilder bad(2, 16);
   bad.scale(1, 0, 0xB8);
   const Nvfp4Linear badl = bad.build(1.0f);
-  expect_invalid([&] { format::w4a8_weight_stats(badl.view()); }, {"row 1, block 0", "0xB8"});
+  EXPECT_MEGAMOE_ERROR(format::w4a8_weight_stats(badl.view()), kInvalidArgument,
+                       "row 1, block 0", "0xB8");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -595,18 +506,18 @@ TEST(W4a8Reference, RejectsWhatW4a8CannotRun) {
   std::vector<uint16_t> hidden(kHandH, 0);
   const TopK topk = make_topk(1, 1, {1}, {1.0f});
   hidden[17] = 0x7F80;  // +inf
-  expect_invalid([&] { reference::moe_forward_w4a8(layer, hidden, 1, topk); },
-                 {"moe_forward_w4a8", "hidden[0, 17]", "finite"});
+  EXPECT_MEGAMOE_ERROR(reference::moe_forward_w4a8(layer, hidden, 1, topk), kInvalidArgument,
+                       "moe_forward_w4a8", "hidden[0, 17]", "finite");
   hidden[17] = 0;
   // An invalid block scale in a used expert is named; W4A16's checks come with the W4A8 name.
   std::vector<uint8_t> scales(kHandH * kHandI / 16, 0x38);
   scales[5 * (kHandI / 16) + 2] = 0xC0;
   layer.experts[1].down =
       make_owned_linear(kHandH, kHandI, std::vector<uint8_t>(kHandH * kHandI / 2), scales, 1.0f);
-  expect_invalid([&] { reference::moe_forward_w4a8(layer, hidden, 1, topk); },
-                 {"moe_forward_w4a8", "expert 1 down_proj.weight_scale[5, 2]", "0xC0"});
-  expect_invalid([&] { reference::moe_forward_w4a8(layer, hidden, 1, make_topk(1, 1, {2}, {1})); },
-                 {"moe_forward_w4a8", "expert ids must be in [0, 2)"});
+  EXPECT_MEGAMOE_ERROR(reference::moe_forward_w4a8(layer, hidden, 1, topk), kInvalidArgument,
+                       "moe_forward_w4a8", "expert 1 down_proj.weight_scale[5, 2]", "0xC0");
+  EXPECT_MEGAMOE_ERROR(reference::moe_forward_w4a8(layer, hidden, 1, make_topk(1, 1, {2}, {1})),
+                       kInvalidArgument, "moe_forward_w4a8", "expert ids must be in [0, 2)");
   // K blocks of 128: H = 144 is a valid NVFP4 layer but not a W4A8 one.
   MoeLayer odd;
   odd.hidden_size = 144;
@@ -616,45 +527,18 @@ TEST(W4a8Reference, RejectsWhatW4a8CannotRun) {
   odd.experts.push_back({LinearBuilder(128, 144).build(1.0f), LinearBuilder(128, 144).build(1.0f),
                          LinearBuilder(144, 128).build(1.0f)});
   std::vector<uint16_t> h144(144, 0);
-  expect_invalid([&] { reference::moe_forward_w4a8(odd, h144, 1, make_topk(1, 1, {0}, {1})); },
-                 {"hidden_size 144", "multiples of 128"});
+  EXPECT_MEGAMOE_ERROR(reference::moe_forward_w4a8(odd, h144, 1, make_topk(1, 1, {0}, {1})),
+                       kInvalidArgument, "hidden_size 144", "multiples of 128");
   EXPECT_NO_THROW(reference::moe_forward(odd, h144, 1, make_topk(1, 1, {0}, {1})));
 }
 
 // ---------------------------------------------------------------------------------------------
 // Random layers against a naive W4A8 forward written from docs/w4a8.md
 
-// Random codes (every code), random valid scales with a random largest exponent per tensor (so
-// k differs between tensors), a random global scale.
-Nvfp4Linear random_linear(Rng& rng, int64_t rows, int64_t cols) {
-  std::vector<uint8_t> codes(rows * cols / 2), scales(rows * cols / 16);
-  for (uint8_t& c : codes) c = static_cast<uint8_t>(rng.uniform_int(0, 255));
-  const int top = rng.uniform_int(0x30, 0x7E);
-  for (uint8_t& s : scales) s = static_cast<uint8_t>(rng.uniform_int(0, top));
-  const float s2 = static_cast<float>(std::ldexp(rng.uniform(1.0, 2.0), rng.uniform_int(-12, -4)));
-  return make_owned_linear(rows, cols, std::move(codes), std::move(scales), s2);
-}
-
-ExpertWeights random_expert(Rng& rng, int64_t H, int64_t I) {
-  ExpertWeights w;
-  w.gate = random_linear(rng, I, H);
-  w.up = random_linear(rng, I, H);
-  w.down = random_linear(rng, H, I);
-  return w;
-}
-
-// bf16 hidden states, each 128-block with its own magnitude; one block in ~10 all zero.
-std::vector<uint16_t> random_hidden(Rng& rng, int64_t n) {
-  std::vector<uint16_t> h(n);
-  for (int64_t b = 0; b < n / 128; ++b) {
-    const bool zero = rng.uniform_int(0, 9) == 0;
-    const int mag = rng.uniform_int(-6, 6);
-    for (int64_t i = b * 128; i < (b + 1) * 128; ++i) {
-      h[i] = zero ? 0 : f32_to_bf16(static_cast<float>(std::ldexp(rng.normal(), mag)));
-    }
-  }
-  return h;
-}
+// The random layers here: every code, scales up to a largest byte drawn per tensor (so the
+// rescale k differs between tensors), global scales of many exponents; hidden states whose
+// 128-value blocks each have a magnitude of their own, some all zero.
+constexpr LinearDraw kW4a8Weights{ScaleCodes::kUpToRandomTop, GlobalScale::kAnyExponent};
 
 struct NaiveW4a8Linear {
   int64_t rows, cols;
@@ -764,25 +648,13 @@ std::vector<double> naive_forward_w4a8(const MoeLayer& layer, const std::vector<
 }
 
 TEST(W4a8Reference, RandomLayersMatchNaiveBitwiseAndStayNearW4a16) {
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
+  const SeedTrace seed;
   Rng rng(seed);
   const int64_t H = 384, I = 256, I_shared = 128, E = 5, T = 6;
   const int k = 3;
-  MoeLayer layer;
-  layer.hidden_size = H;
-  layer.intermediate_size = I;
-  layer.num_experts = E;
-  layer.routing.top_k = k;
-  for (int64_t e = 0; e < E; ++e) layer.experts.push_back(random_expert(rng, H, I));
-  layer.shared_expert = random_expert(rng, H, I_shared);
-  const std::vector<uint16_t> hidden = random_hidden(rng, T * H);
-  TopK topk = make_topk(T, k, std::vector<int32_t>(T * k), std::vector<float>(T * k));
-  for (int64_t i = 0; i < T * k; ++i) {
-    topk.ids[i] = rng.uniform_int(0, E - 1);
-    topk.weights[i] = static_cast<float>(rng.uniform(-0.5, 1.5));
-  }
-  topk.ids[1] = topk.ids[0];  // a repeated expert in token 0
+  MoeLayer layer = random_layer(rng, H, I, E, k, I_shared, std::nullopt, kW4a8Weights);
+  const std::vector<uint16_t> hidden = random_hidden(rng, T, H, HiddenValues::kScaledBlocks);
+  const TopK topk = arbitrary_topk(rng, T, E, k);  // token 0 repeats an expert
 
   // The rescales differ between tensors (the scale sets do), or the test would not show that
   // each projection gets its own.
@@ -848,8 +720,7 @@ TEST(W4a8Reference, RandomLayersMatchNaiveBitwiseAndStayNearW4a16) {
 // Hidden column 0 is 1 in every token, so each gate row reads only it (g = c·s·s2_gate, the same
 // for every token); each up row reads one column of its own; down is dense.
 TEST(W4a8Reference, RepresentableLayerEqualsW4a16Bitwise) {
-  const uint64_t seed = fresh_seed();
-  SCOPED_TRACE("seed " + std::to_string(seed));
+  const SeedTrace seed;
   Rng rng(seed);
   const int64_t H = 256, I = 256, I_shared = 128, E = 3, T = 5;
   const int k = 2;
@@ -993,15 +864,6 @@ double cosine(const std::vector<float>& a, const std::vector<double>& b) {
   return ab / std::sqrt(aa * bb);
 }
 
-double rel_l2_vs(const std::vector<float>& got, const std::vector<double>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < got.size(); ++i) {
-    num += (got[i] - want[i]) * (got[i] - want[i]);
-    den += want[i] * want[i];
-  }
-  return std::sqrt(num / den);
-}
-
 TEST(W4a8Reference, DISABLED_AccuracyTable) {
   const uint64_t seed = fresh_seed();
   std::printf("W4A8 accuracy table: seed %llu, %lld routed experts (+ shared), %lld tokens\n",
@@ -1017,21 +879,8 @@ TEST(W4a8Reference, DISABLED_AccuracyTable) {
     const int k = preset.top_k;
     const int64_t T = kTableTokens;
     Rng rng(seed ^ std::hash<std::string>{}(preset.name));
-    std::vector<uint16_t> hidden(T * H);
-    for (uint16_t& v : hidden) v = f32_to_bf16(static_cast<float>(rng.normal()));
-    TopK topk = make_topk(T, k, std::vector<int32_t>(T * k), std::vector<float>(T * k));
-    for (int64_t t = 0; t < T; ++t) {
-      std::vector<int32_t> ids(E);
-      for (int32_t e = 0; e < E; ++e) ids[e] = e;
-      std::shuffle(ids.begin(), ids.end(), rng.gen);
-      double sum = 0;
-      std::vector<double> w(k);
-      for (double& v : w) sum += (v = rng.uniform(0.1, 1.0));
-      for (int j = 0; j < k; ++j) {
-        topk.ids[t * k + j] = ids[j];
-        topk.weights[t * k + j] = static_cast<float>(w[j] / sum);
-      }
-    }
+    const std::vector<uint16_t> hidden = random_hidden(rng, T, H);
+    const TopK topk = random_topk(rng, T, E, k);
 
     MoeLayer layer;
     layer.hidden_size = H;
@@ -1085,7 +934,7 @@ TEST(W4a8Reference, DISABLED_AccuracyTable) {
     const std::vector<float> w4a16 = reference::moe_forward_f32(layer, hidden, T, topk);
     const std::vector<float> w4a8 = reference::moe_forward_w4a8_f32(layer, hidden, T, topk);
     const double cos16 = cosine(w4a16, unquantized), cos8 = cosine(w4a8, unquantized);
-    const double e16 = rel_l2_vs(w4a16, unquantized), e8 = rel_l2_vs(w4a8, unquantized);
+    const double e16 = rel_l2(w4a16, unquantized), e8 = rel_l2(w4a8, unquantized);
     const double e8_16 = rel_l2(w4a8, w4a16);
     std::string kstr;
     for (int kk : ks) kstr += (kstr.empty() ? "" : ",") + std::to_string(kk);

@@ -3,12 +3,12 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <random>
 
 #include "gpu_test_util.h"
 #include "megamoe/dtype.h"
 #include "megamoe/format.h"
 #include "megamoe/status.h"
+#include "tests/common/test_util.h"
 
 namespace megamoe {
 namespace {
@@ -61,9 +61,8 @@ TEST(GpuDequant, EveryCodeWithEveryValidScale) {
 
 TEST(GpuDequant, RandomTensor) {
   MEGAMOE_REQUIRE_GPU();
-  const unsigned seed = std::random_device{}();
-  SCOPED_TRACE(::testing::Message() << "seed " << seed);
-  std::mt19937 rng(seed);
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   const int64_t rows = 333, cols = 16 * 37;
   std::vector<uint8_t> codes(rows * cols / 2), scales(rows * cols / 16);
   for (auto& b : codes) b = static_cast<uint8_t>(rng());

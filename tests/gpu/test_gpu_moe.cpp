@@ -3,56 +3,21 @@
 // unwritten element fails the NaN check.
 #include <gtest/gtest.h>
 
-#include <random>
-
 #include "gpu_test_util.h"
 #include "megamoe/reference.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
-#include "moe_test_util.h"
 #include "backends/sm90_w4a16/sm90_w4a16_heuristics.h"
-#include "tests/cpu/error_matchers.h"
+#include "tests/common/test_util.h"
+#include "tests/common/error_matchers.h"
 
 namespace megamoe {
 namespace {
 
 using testing::DeviceBuffer;
+using testing::GpuMoe;
 
-constexpr double kMaxRelL2 = 2e-3;
-
-unsigned fresh_seed() { return std::random_device{}(); }
-
-// Everything one GPU run needs, owned.
-struct GpuMoe {
-  MoePlan plan;
-  MoeDeviceWeights weights;
-  DeviceBuffer<uint8_t> workspace;
-  GpuMoe(const MoeLayer& layer, int64_t max_tokens, bool deterministic, const MoeTuning& tuning = {})
-      : plan(make_plan(layer, max_tokens, deterministic, tuning)),
-        weights(MoeDeviceWeights::upload(layer)),
-        workspace(plan.workspace_bytes()) {}
-  static MoePlan make_plan(const MoeLayer& layer, int64_t max_tokens, bool deterministic,
-                           const MoeTuning& tuning) {
-    MoeProblem p = MoeProblem::from_layer(layer, max_tokens);
-    p.deterministic = deterministic;
-    return MoePlan::create(p, tuning);
-  }
-  std::vector<uint16_t> run(const std::vector<uint16_t>& hidden, const reference::TopK& topk,
-                            cudaStream_t stream = nullptr) {
-    const int64_t T = topk.tokens;
-    DeviceBuffer<uint16_t> d_hidden(hidden), d_out(static_cast<size_t>(T * plan.problem().hidden_size));
-    DeviceBuffer<int32_t> d_ids(topk.ids);
-    DeviceBuffer<float> d_w(topk.weights);
-    d_out.poison();
-    // The workspace too (fp32 NaN, int32 -1): run() must initialise whatever it reads, the combine
-    // accumulator included, whatever an earlier run left there.
-    workspace.poison();
-    MoeRunArgs args{d_hidden.get(), d_ids.get(), d_w.get(), T, d_out.get(), workspace.get()};
-    megamoe::run(plan, weights, args, stream);
-    gpu::check_cuda(cudaStreamSynchronize(stream), "run");
-    return d_out.download();
-  }
-};
+using testing::kMaxRelL2;
 
 struct Case {
   const char* name;
@@ -70,11 +35,11 @@ struct Case {
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 void check_case(const Case& c, bool deterministic, const MoeTuning& tuning = {}) {
-  const unsigned seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << c.name << " H=" << c.H << " I=" << c.I << " E=" << c.E
-                                    << " k=" << c.k << " T=" << c.T << " seed=" << seed);
-  std::mt19937 rng(seed);
-  const MoeLayer layer = testing::random_layer(rng, c.H, c.I, c.E, c.k, c.shared_I, c.limit, c.scale_codes);
+                                    << " k=" << c.k << " T=" << c.T);
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
+  const MoeLayer layer = testing::random_layer(rng, c.H, c.I, c.E, c.k, c.shared_I, c.limit, {c.scale_codes});
   const auto hidden = testing::random_hidden(rng, c.T, c.H);
   const auto topk = c.expert_tokens.empty() ? testing::random_topk(rng, c.T, c.E, c.k, c.only_expert)
                                             : testing::counted_topk(rng, c.expert_tokens);
@@ -87,7 +52,7 @@ void check_case(const Case& c, bool deterministic, const MoeTuning& tuning = {})
   const auto ref = testing::widen(reference::moe_forward(layer, hidden, c.T, topk));
   const auto stats = testing::compare(got, ref);
   const auto vs_f32 = testing::compare(got, reference::moe_forward_f32(layer, hidden, c.T, topk));
-  EXPECT_EQ(stats.nans, 0) << "non-finite or unwritten outputs";
+  EXPECT_EQ(stats.nonfinite, 0) << "non-finite or unwritten outputs";
   EXPECT_LE(stats.rel_l2, kMaxRelL2) << gpu.plan.describe(c.T);
   std::printf("[ %-28s] T=%-5lld %s rel_l2=%.3g (vs fp32 sum %.3g)\n", c.name,
               static_cast<long long>(c.T), gpu.plan.describe(c.T).c_str(), stats.rel_l2,
@@ -248,9 +213,8 @@ INSTANTIATE_TEST_SUITE_P(
 // (20 tokens per expert) both run the 32-token tile.
 TEST(GpuMoe, FusedIsBitwiseTheTwoLaunchPipeline) {
   MEGAMOE_REQUIRE_GPU();
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed=" << seed);
-  std::mt19937 rng(seed);
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   const int64_t H = 512;
   const MoeLayer layer = testing::random_layer(rng, H, 256, 16, 4, 256);
   for (int64_t T : {1, 11, 40, 80}) {
@@ -275,9 +239,8 @@ TEST(GpuMoe, FusedIsBitwiseTheTwoLaunchPipeline) {
 // and not).
 TEST(GpuMoe, EarlyStartIsBitwiseTheWaitingPipeline) {
   MEGAMOE_REQUIRE_GPU();
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed=" << seed);
-  std::mt19937 rng(seed);
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   struct Shape {
     int64_t H, I, E;
     int k;
@@ -311,7 +274,8 @@ TEST(GpuMoe, EarlyStartIsBitwiseTheWaitingPipeline) {
 
 TEST(GpuMoe, RejectsTuningThatCannotRun) {
   MEGAMOE_REQUIRE_GPU();
-  std::mt19937 rng(fresh_seed());
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   const MoeLayer layer = testing::random_layer(rng, 256, 128, 8, 2);
   const MoeProblem p = MoeProblem::from_layer(layer, 512);
   MoeTuning t;
@@ -331,11 +295,16 @@ TEST(GpuMoe, RejectsTuningThatCannotRun) {
   EXPECT_FALSE(moe_config(MoePlan::create(p, early), 1).early_start);
 }
 
+// A small random layer on the GPU (H 128, I 64, 4 experts, top-2), for the tests of what run()
+// accepts: its values never matter.
+GpuMoe small_gpu_moe(int64_t max_tokens) {
+  testing::Rng rng(testing::fresh_seed());
+  return GpuMoe(testing::random_layer(rng, 128, 64, 4, 2), max_tokens, /*deterministic=*/false);
+}
+
 TEST(GpuMoe, ZeroTokensIsANoOp) {
   MEGAMOE_REQUIRE_GPU();
-  std::mt19937 rng(fresh_seed());
-  const MoeLayer layer = testing::random_layer(rng, 128, 64, 4, 2);
-  GpuMoe gpu(layer, 8, false);
+  GpuMoe gpu = small_gpu_moe(8);
   MoeRunArgs args{};
   args.tokens = 0;
   EXPECT_NO_THROW(run(gpu.plan, gpu.weights, args, nullptr));
@@ -343,7 +312,8 @@ TEST(GpuMoe, ZeroTokensIsANoOp) {
 
 TEST(GpuMoe, DeterministicIsBitwiseStable) {
   MEGAMOE_REQUIRE_GPU();
-  std::mt19937 rng(fresh_seed());
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   const MoeLayer layer = testing::random_layer(rng, 512, 256, 16, 4, 256);
   const auto hidden = testing::random_hidden(rng, 300, 512);
   const auto topk = testing::random_topk(rng, 300, 16, 4);
@@ -356,7 +326,8 @@ TEST(GpuMoe, DeterministicIsBitwiseStable) {
 
 TEST(GpuMoe, GraphReplayEqualsEager) {
   MEGAMOE_REQUIRE_GPU();
-  std::mt19937 rng(fresh_seed());
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   const int64_t T = 77, H = 256;
   const MoeLayer layer = testing::random_layer(rng, H, 128, 8, 2);
   const auto hidden = testing::random_hidden(rng, T, H);
@@ -395,7 +366,8 @@ TEST(GpuMoe, GraphReplayEqualsEager) {
 void check_invalid_ids_skipped(int64_t E, int k, int64_t T, const std::vector<size_t>& bad,
                                const std::vector<int32_t>& bad_ids, bool deterministic = true,
                                const MoeTuning& tuning = {}, int64_t H = 128, int64_t I = 64) {
-  std::mt19937 rng(fresh_seed());
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   const MoeLayer layer = testing::random_layer(rng, H, I, E, k);
   auto topk = testing::random_topk(rng, T, E, k);
   for (size_t j = 0; j < bad.size(); ++j) topk.ids[bad[j]] = bad_ids[j];
@@ -413,7 +385,7 @@ void check_invalid_ids_skipped(int64_t E, int k, int64_t T, const std::vector<si
     valid.ids[i] = 0;
   }
   const auto stats = testing::compare(got, testing::widen(reference::moe_forward(layer, hidden, T, valid)));
-  EXPECT_EQ(stats.nans, 0);
+  EXPECT_EQ(stats.nonfinite, 0);
   EXPECT_LE(stats.rel_l2, kMaxRelL2);
 }
 
@@ -485,7 +457,8 @@ TEST(GpuMoe, RejectsBadProblems) {
 // describe) and gives the w4a16 plan's output bit for bit.
 TEST(GpuMoe, PrecisionW4a8IsRefusedAndAutoRunsW4a16) {
   MEGAMOE_REQUIRE_GPU();
-  std::mt19937 rng(fresh_seed());
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   const MoeLayer layer = testing::random_layer(rng, 256, 128, 8, 2);
   MoeProblem p = MoeProblem::from_layer(layer, 64);
   p.precision = Precision::kW4a8;
@@ -512,9 +485,7 @@ TEST(GpuMoe, PrecisionW4a8IsRefusedAndAutoRunsW4a16) {
 
 TEST(GpuMoe, RejectsTooManyTokens) {
   MEGAMOE_REQUIRE_GPU();
-  std::mt19937 rng(fresh_seed());
-  const MoeLayer layer = testing::random_layer(rng, 128, 64, 4, 2);
-  GpuMoe gpu(layer, 4, false);
+  GpuMoe gpu = small_gpu_moe(4);
   MoeRunArgs args{};
   args.tokens = 5;
   EXPECT_THROW(run(gpu.plan, gpu.weights, args, nullptr), Error);

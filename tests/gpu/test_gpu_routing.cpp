@@ -18,13 +18,12 @@
 #include "megamoe/reference.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
+#include "tests/common/test_util.h"
 
 namespace megamoe {
 namespace {
 
 using testing::DeviceBuffer;
-
-unsigned fresh_seed() { return std::random_device{}(); }
 
 struct Routed {
   std::vector<int32_t> ids;
@@ -53,7 +52,7 @@ Routed run_gpu(const RoutingConfig& cfg, const std::vector<float>& logits, int64
 
 // Logits [T, E]: normal with a scale drawn per token (0.25 .. 8), so some rows are nearly flat
 // and others peaked.
-std::vector<float> random_logits(std::mt19937& rng, int64_t T, int64_t E) {
+std::vector<float> random_logits(testing::Rng& rng, int64_t T, int64_t E) {
   std::normal_distribution<float> n(0.0f, 1.0f);
   std::uniform_real_distribution<float> scale(0.25f, 8.0f);
   std::vector<float> l(static_cast<size_t>(T * E));
@@ -64,7 +63,7 @@ std::vector<float> random_logits(std::mt19937& rng, int64_t T, int64_t E) {
   return l;
 }
 
-std::vector<float> random_bias(std::mt19937& rng, int64_t E) {
+std::vector<float> random_bias(testing::Rng& rng, int64_t E) {
   std::uniform_real_distribution<float> u(-0.1f, 0.1f);
   std::vector<float> b(static_cast<size_t>(E));
   for (auto& v : b) v = u(rng);
@@ -130,14 +129,12 @@ struct Case {
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 RoutingConfig config_of(const Case& c) {
-  RoutingConfig cfg;
-  cfg.kind = c.kind;
-  cfg.top_k = c.k;
-  cfg.renormalize = c.renormalize;
-  cfg.n_group = c.n_group;
-  cfg.topk_group = c.topk_group;
-  cfg.routed_scaling_factor = c.scale;
-  return cfg;
+  return {.kind = c.kind,
+          .top_k = c.k,
+          .renormalize = c.renormalize,
+          .n_group = c.n_group,
+          .topk_group = c.topk_group,
+          .routed_scaling_factor = c.scale};
 }
 
 class GpuRoutingCases : public ::testing::TestWithParam<Case> {};
@@ -147,9 +144,9 @@ TEST_P(GpuRoutingCases, RandomLogitsMatchReference) {
   const Case& c = GetParam();
   const RoutingConfig cfg = config_of(c);
   for (int64_t T : {1, 3, 17, 1000}) {
-    const unsigned seed = fresh_seed();
-    SCOPED_TRACE(::testing::Message() << describe(cfg, T, c.E, c.bias) << " seed=" << seed);
-    std::mt19937 rng(seed);
+    SCOPED_TRACE(describe(cfg, T, c.E, c.bias));
+    const testing::SeedTrace seed;
+    testing::Rng rng(seed);
     const auto logits = random_logits(rng, T, c.E);
     const auto bias = c.bias ? random_bias(rng, c.E) : std::vector<float>{};
     expect_matches_reference(cfg, logits, T, c.E, bias);
@@ -162,10 +159,10 @@ TEST_P(GpuRoutingCases, TiesGoToTheLowerIndexAsInTheReference) {
   MEGAMOE_REQUIRE_GPU();
   const Case& c = GetParam();
   const RoutingConfig cfg = config_of(c);
-  const unsigned seed = fresh_seed();
   const int64_t T = 257;
-  SCOPED_TRACE(::testing::Message() << describe(cfg, T, c.E, c.bias) << " seed=" << seed);
-  std::mt19937 rng(seed);
+  SCOPED_TRACE(describe(cfg, T, c.E, c.bias));
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   std::uniform_int_distribution<int> pick(0, 4);
   std::vector<float> logits(static_cast<size_t>(T * c.E));
   for (auto& l : logits) l = 0.5f * static_cast<float>(pick(rng) - 2);  // {-1, -0.5, 0, 0.5, 1}
@@ -214,12 +211,8 @@ TEST(GpuRouting, NoauxAllSigmoidsUnderflowGiveZeroWeights) {
   MEGAMOE_REQUIRE_GPU();
   const int64_t T = 3, E = 32;
   const std::vector<float> logits(static_cast<size_t>(T * E), -800.0f);
-  RoutingConfig cfg;
-  cfg.kind = RoutingKind::kNoauxTc;
-  cfg.top_k = 4;
-  cfg.n_group = 4;
-  cfg.topk_group = 2;
-  cfg.routed_scaling_factor = 2.5f;
+  const RoutingConfig cfg{
+      .kind = RoutingKind::kNoauxTc, .top_k = 4, .n_group = 4, .topk_group = 2, .routed_scaling_factor = 2.5f};
   expect_matches_reference(cfg, logits, T, E, {});
   const Routed got = run_gpu(cfg, logits, T, E, {});
   for (float w : got.weights) EXPECT_EQ(w, 0.0f);
@@ -230,7 +223,8 @@ TEST(GpuRouting, NoauxAllSigmoidsUnderflowGiveZeroWeights) {
 TEST(GpuRouting, NonFiniteLogitsStillGiveDistinctValidIds) {
   MEGAMOE_REQUIRE_GPU();
   const int64_t T = 64, E = 32;
-  std::mt19937 rng(fresh_seed());
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   auto logits = random_logits(rng, T, E);
   const float specials[] = {NAN, INFINITY, -INFINITY};
   for (size_t i = 0; i < logits.size(); i += 3) logits[i] = specials[(i / 3) % 3];
@@ -265,15 +259,12 @@ TEST(GpuRouting, ZeroTokensIsANoOp) {
 TEST(GpuRouting, GraphReplayEqualsEager) {
   MEGAMOE_REQUIRE_GPU();
   const int64_t T = 300, E = 256;
-  std::mt19937 rng(fresh_seed());
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   const auto logits = random_logits(rng, T, E);
   const auto bias = random_bias(rng, E);
-  RoutingConfig cfg;
-  cfg.kind = RoutingKind::kNoauxTc;
-  cfg.top_k = 8;
-  cfg.n_group = 8;
-  cfg.topk_group = 4;
-  cfg.routed_scaling_factor = 2.5f;
+  const RoutingConfig cfg{
+      .kind = RoutingKind::kNoauxTc, .top_k = 8, .n_group = 8, .topk_group = 4, .routed_scaling_factor = 2.5f};
   const Routed eager = run_gpu(cfg, logits, T, E, bias);
 
   DeviceBuffer<float> d_logits(logits), d_bias(bias);

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -14,14 +13,13 @@
 #include "megamoe/reference.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
-#include "moe_test_util.h"
+#include "tests/common/test_util.h"
 
 namespace megamoe {
 namespace {
 
 using testing::DeviceBuffer;
-
-unsigned fresh_seed() { return std::random_device{}(); }
+using testing::GpuMoe;
 
 // A layer's tensors in the stacked layout, on the host: w13 = [gate rows; up rows] per expert.
 struct HostStacked {
@@ -105,46 +103,32 @@ struct DeviceStacked {
   StackedNvfp4Weights view;
 };
 
-std::vector<uint16_t> run_layer(const MoePlan& plan, const MoeDeviceWeights& weights,
-                                const std::vector<uint16_t>& hidden, const reference::TopK& topk) {
-  const int64_t T = topk.tokens, H = plan.problem().hidden_size;
-  DeviceBuffer<uint16_t> d_hidden(hidden), d_out(static_cast<size_t>(T * H));
-  DeviceBuffer<int32_t> d_ids(topk.ids);
-  DeviceBuffer<float> d_weights(topk.weights);
-  DeviceBuffer<uint8_t> workspace(plan.workspace_bytes());
-  d_out.poison();
-  const MoeRunArgs args{d_hidden.get(), d_ids.get(), d_weights.get(), T, d_out.get(), workspace.get()};
-  run(plan, weights, args, nullptr);
-  gpu::check_cuda(cudaStreamSynchronize(nullptr), "run");
-  return d_out.download();
-}
-
 void check_same_as_upload(int64_t H, int64_t I, int64_t E, int k, int64_t shared_I, int64_t T) {
-  const unsigned seed = fresh_seed();
   SCOPED_TRACE(::testing::Message() << "H=" << H << " I=" << I << " E=" << E << " k=" << k
-                                    << " shared_I=" << shared_I << " T=" << T << " seed=" << seed);
-  std::mt19937 rng(seed);
+                                    << " shared_I=" << shared_I << " T=" << T);
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   const MoeLayer layer = testing::random_layer(rng, H, I, E, k, shared_I);
   const HostStacked host = stack(layer);
   const DeviceStacked dev(layer, host);
   MoeProblem problem = MoeProblem::from_layer(layer, T);
   problem.deterministic = true;
   const MoePlan plan = MoePlan::create(problem);
-  const MoeDeviceWeights from_stacked = MoeDeviceWeights::from_stacked(dev.view);
-  const MoeDeviceWeights uploaded = MoeDeviceWeights::upload(layer);
-  EXPECT_EQ(from_stacked.device_bytes(), uploaded.device_bytes());
+  GpuMoe from_stacked(plan, MoeDeviceWeights::from_stacked(dev.view));
+  GpuMoe uploaded(plan, MoeDeviceWeights::upload(layer));
+  EXPECT_EQ(from_stacked.weights.device_bytes(), uploaded.weights.device_bytes());
 
   const auto hidden = testing::random_hidden(rng, T, H);
   const auto topk = testing::random_topk(rng, T, E, k);
-  const auto got = run_layer(plan, from_stacked, hidden, topk);
-  const auto want = run_layer(plan, uploaded, hidden, topk);
+  const auto got = from_stacked.run(hidden, topk);
+  const auto want = uploaded.run(hidden, topk);
   ASSERT_EQ(got.size(), want.size());
   int64_t differ = 0;
   for (size_t i = 0; i < got.size(); ++i) differ += got[i] != want[i];
   EXPECT_EQ(differ, 0) << "outputs that differ from the upload() path (of " << got.size() << ")";
   const auto stats = testing::compare(got, reference::moe_forward_f32(layer, hidden, T, topk));
-  EXPECT_EQ(stats.nans, 0);
-  EXPECT_LE(stats.rel_l2, 2e-3);
+  EXPECT_EQ(stats.nonfinite, 0);
+  EXPECT_LE(stats.rel_l2, testing::kMaxRelL2);
 }
 
 TEST(GpuStackedWeights, SameAsUploadWithoutSharedExpert) {
@@ -181,7 +165,8 @@ void expect_rejected(const MoeLayer& layer, const HostStacked& host, Mutate muta
 
 TEST(GpuStackedWeights, RejectsBadScalesNamingTheElement) {
   MEGAMOE_REQUIRE_GPU();
-  std::mt19937 rng(fresh_seed());
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   const int64_t H = 128, I = 64, E = 4, Is = 64;
   const MoeLayer layer = testing::random_layer(rng, H, I, E, 2, Is);
   const HostStacked host = stack(layer);
@@ -210,9 +195,8 @@ TEST(GpuStackedWeights, RejectsBadScalesNamingTheElement) {
 // linears are zero (uploaded), and close to the reference of that layer.
 TEST(GpuStackedWeights, ModelOptZeroWeightRunsAsZeros) {
   MEGAMOE_REQUIRE_GPU();
-  const unsigned seed = fresh_seed();
-  SCOPED_TRACE(::testing::Message() << "seed=" << seed);
-  std::mt19937 rng(seed);
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   const int64_t H = 256, I = 128, E = 8, Is = 128, T = 64;
   const int k = 2;
   MoeLayer layer = testing::random_layer(rng, H, I, E, k, Is);
@@ -239,22 +223,22 @@ TEST(GpuStackedWeights, ModelOptZeroWeightRunsAsZeros) {
   MoeProblem problem = MoeProblem::from_layer(layer, T);
   problem.deterministic = true;
   const MoePlan plan = MoePlan::create(problem);
-  const MoeDeviceWeights from_stacked = MoeDeviceWeights::from_stacked(dev.view);
-  const MoeDeviceWeights uploaded = MoeDeviceWeights::upload(layer);
+  GpuMoe from_stacked(plan, MoeDeviceWeights::from_stacked(dev.view));
+  GpuMoe uploaded(plan, MoeDeviceWeights::upload(layer));
   const auto hidden = testing::random_hidden(rng, T, H);
   reference::TopK topk = testing::random_topk(rng, T, E, k);
   for (int64_t t = 0; t < T; t += 2) {  // half the tokens use expert 1 (ids stay distinct)
     if (topk.ids[t * k + 1] == 1) topk.ids[t * k + 1] = topk.ids[t * k];
     topk.ids[t * k] = 1;
   }
-  const auto got = run_layer(plan, from_stacked, hidden, topk);
-  const auto want = run_layer(plan, uploaded, hidden, topk);
+  const auto got = from_stacked.run(hidden, topk);
+  const auto want = uploaded.run(hidden, topk);
   int64_t differ = 0;
   for (size_t i = 0; i < got.size(); ++i) differ += got[i] != want[i];
   EXPECT_EQ(differ, 0) << "outputs that differ from the zero layer's (of " << got.size() << ")";
   const auto stats = testing::compare(got, reference::moe_forward_f32(layer, hidden, T, topk));
-  EXPECT_EQ(stats.nans, 0);
-  EXPECT_LE(stats.rel_l2, 2e-3);
+  EXPECT_EQ(stats.nonfinite, 0);
+  EXPECT_LE(stats.rel_l2, testing::kMaxRelL2);
 
   // One byte short of the signature: the NaN scales are refused again.
   expect_rejected(layer, host, [&](HostStacked& s) { s.w13[1 * 2 * I * (H / 2) + 3] = 0x76; },
@@ -263,7 +247,8 @@ TEST(GpuStackedWeights, ModelOptZeroWeightRunsAsZeros) {
 
 TEST(GpuStackedWeights, RejectsNullPointersAndBadShapes) {
   MEGAMOE_REQUIRE_GPU();
-  std::mt19937 rng(fresh_seed());
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
   const MoeLayer layer = testing::random_layer(rng, 128, 64, 2, 1, 64);
   const HostStacked host = stack(layer);
   const DeviceStacked dev(layer, host);
