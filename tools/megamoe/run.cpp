@@ -1,7 +1,7 @@
 // `megamoe run --checkpoint DIR --layer L --input X.safetensors --output Y.safetensors
 // [--deterministic] [--precision P] [--ep N]`: one MoE layer on the GPU (sm90 W4A16), with the
 // arguments of `reference`. Routing, when the input gives no top-k, runs on the CPU
-// (reference::route). --precision goes to the plan (w4a8 fails there: no W4A8 kernel yet).
+// (reference::route). --precision goes to the plan, which refuses a precision this build has no kernel for.
 // --ep N: expert parallelism over N GPUs of this host. The command starts one process per GPU
 // itself (this executable again, with --ep-rank), gives each a contiguous share of the tokens
 // (the last ones may get none) and gathers their outputs.
@@ -220,10 +220,9 @@ Command add_run_command(CLI::App& parent) {
   app->add_option("--output", args->output, "output .safetensors file")->required();
   app->add_flag("--deterministic", args->deterministic, "fixed-order combine (bitwise reproducible)");
   add_precision_option(*app, args->precision,
-                       "w4a16: the exact W4A16 path (the default); w4a8: not available, this build has "
-                       "no W4A8 GPU kernel yet (its CPU emulation: `megamoe reference --precision "
-                       "w4a8`); auto: w4a8 where the heuristic finds it faster, which is nowhere until "
-                       "that kernel exists, so w4a16");
+                       "w4a16: the exact W4A16 path (the default); w4a8: fp8 activations, where this "
+                       "build has a W4A8 GPU kernel (the plan says if not; its CPU emulation: `megamoe "
+                       "reference --precision w4a8`); auto: per T, the built kernels' choice");
   app->add_option("--ep", args->ep,
                   "expert parallelism over N GPUs of this host (one process per GPU, started by this command)")
       ->check(CLI::Range(1, 8));
