@@ -21,11 +21,10 @@ uint64_t fresh_seed() {
   return (uint64_t{rd()} << 32) | rd();
 }
 
-SeedTrace::SeedTrace(std::source_location where) : SeedTrace(fresh_seed(), where) {}
+SeedTrace::SeedTrace(const char* file, int line) : SeedTrace(fresh_seed(), file, line) {}
 
-SeedTrace::SeedTrace(uint64_t seed, std::source_location where)
-    : value_(seed),
-      trace_(where.file_name(), static_cast<int>(where.line()), "seed " + std::to_string(seed)) {}
+SeedTrace::SeedTrace(uint64_t seed, const char* file, int line)
+    : value_(seed), trace_(file, line, "seed " + std::to_string(seed)) {}
 
 // ---- random data
 

@@ -9,7 +9,6 @@
 #include <filesystem>
 #include <optional>
 #include <random>
-#include <source_location>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -30,8 +29,10 @@ uint64_t fresh_seed();
 // wherever one is expected: `const SeedTrace seed; Rng rng(seed);`.
 class SeedTrace {
  public:
-  explicit SeedTrace(std::source_location where = std::source_location::current());
-  explicit SeedTrace(uint64_t seed, std::source_location where = std::source_location::current());
+  // The caller's file and line (__builtin_FILE/LINE: clang 14, the sanitizer build's compiler, has
+  // no std::source_location).
+  explicit SeedTrace(const char* file = __builtin_FILE(), int line = __builtin_LINE());
+  explicit SeedTrace(uint64_t seed, const char* file = __builtin_FILE(), int line = __builtin_LINE());
   operator uint64_t() const { return value_; }
 
  private:
