@@ -1,5 +1,5 @@
-// `megamoe bench --ep N`: the results of a point, its checks, its line of the table and its JSON
-// (ep_bench_model.h).
+// `megamoe bench --ep N`: the report rank 0 prints and writes: the run's header, and per point its
+// checks, its line of the table and its JSON (ep_bench_model.h).
 #include "bench/ep_bench_model.h"
 
 #include <algorithm>
@@ -138,6 +138,76 @@ nlohmann::json to_json(const EpPointResult& p) {
     j["single_gpu"] = s;
   }
   return j;
+}
+
+// ---- the run's header and a point's lines (rank 0)
+
+nlohmann::json ep_run_header(const EpRunInfo& run) {
+  const EpShape& shape = run.shape;
+  const int R = shape.world;
+  const int64_t H = shape.hidden, E = shape.num_experts;
+  const int k = shape.top_k;
+  nlohmann::json report;
+  const std::vector<EpWeightEstimate> estimates = ep_weight_estimate_table();
+  std::printf("\nexpert parallelism over %d GPUs (%s); layer %s: H=%lld I=%lld E=%lld top-%d%s, %lld experts per rank; "
+              "max %lld tokens per rank; %s; %s L2 flush; median of %d graph replays, the slowest rank's\n",
+              R, run.device.c_str(), run.layer_label.c_str(), (long long)H, (long long)shape.intermediate,
+              (long long)E, k, shape.shared_intermediate ? " +shared" : "", (long long)run.experts_per_rank,
+              (long long)run.max_tokens_per_rank, run.deterministic ? "deterministic" : "atomic combine",
+              run.flush.c_str(), run.iters);
+  report["mode"] = "ep";
+  report["device"] = run.device;
+  report["ep"] = {{"world_size", R},
+                  {"max_tokens_per_rank", run.max_tokens_per_rank},
+                  {"deterministic", run.deterministic},
+                  {"iters", run.iters},
+                  {"nccl_version", run.nccl_version},
+                  {"peer_rate_method", run.peer_rate_method}};
+  report["l2_flush"] = run.flush;
+  report["layer"] = {{"H", H}, {"I", shape.intermediate}, {"E", E}, {"top_k", k},
+                     {"shared_I", shape.shared_intermediate}, {"preset", run.layer_label}};
+  report["ranks"] = nlohmann::json::array();
+  for (int r = 0; r < R; ++r) {
+    const EpRankInfo& in = run.ranks[static_cast<size_t>(r)];
+    std::printf("  rank %d: %s, copy %.2f TB/s, bf16 %.0f TFLOP/s, NVLink to rank %d %.0f GB/s (%s); EP layer "
+                "%.2f GB on the GPU (MoeEpLayer::device_bytes), %.1f GB free after setup\n",
+                r, in.device, in.rates.copy_tbps, in.rates.mma_tflops, (r + 1) % R, in.rates.peer_gbps,
+                run.peer_rate_method.c_str(), in.ep_device_bytes / 1e9, in.free_bytes / 1e9);
+    report["ranks"].push_back({{"rank", r}, {"device", in.device}, {"copy_tbps", in.rates.copy_tbps},
+                               {"bf16_tflops", in.rates.mma_tflops}, {"peer_gbps", in.rates.peer_gbps},
+                               {"ep_device_bytes", in.ep_device_bytes}, {"free_bytes", in.free_bytes}});
+  }
+  if (run.baselines) {
+    std::printf("  baseline (a): NCCL send/recv all-to-all of the rows, this library's single-GPU layer on the "
+                "received rows (fp32 partial sums), all-to-all back, weighted sum; (b): the single-GPU layer on "
+                "all R*T_r tokens on GPU 0%s%s\n",
+                run.single_skipped.empty() ? "" : ": ", run.single_skipped.c_str());
+  }
+  std::printf("%s", format_weight_estimates(estimates).c_str());
+  report["weight_estimates"] = nlohmann::json::array();
+  for (const EpWeightEstimate& e : estimates) report["weight_estimates"].push_back(to_json(e));
+  report["points"] = nlohmann::json::array();
+  std::printf("\n%s\n", ep_table_header().c_str());
+  std::fflush(stdout);
+  return report;
+}
+
+void print_ep_point(const EpPointResult& point) {
+  const int R = static_cast<int>(point.ranks.size());
+  std::printf("%s\n", ep_table_row(point).c_str());
+  if (!ep_point_pass(point)) {
+    for (int r = 0; r < R; ++r) {
+      const EpRankPoint& m = point.ranks[static_cast<size_t>(r)];
+      std::printf("        rank %d: EP output rel L2 %.3g on %lld checked tokens, %lld non-finite, %lld invalid "
+                  "ids; baseline (a) vs EP rel L2 %.3g, %lld non-finite (allowed %.0e)\n",
+                  r, m.check_rel_l2, (long long)m.check_rows, (long long)m.check_nonfinite,
+                  (long long)m.invalid_ids, m.a_rel_l2_vs_ep, (long long)m.a_nonfinite, kEpMaxRelL2);
+    }
+    if (point.single.ran) {
+      std::printf("        single GPU (b): rel L2 %.3g, %lld non-finite\n", point.single.check_rel_l2,
+                  (long long)point.single.check_nonfinite);
+    }
+  }
 }
 
 }  // namespace megamoe::bench
