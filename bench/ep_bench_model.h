@@ -180,4 +180,37 @@ std::string ep_table_header();
 std::string ep_table_row(const EpPointResult& p);
 nlohmann::json to_json(const EpPointResult& p);
 
+// ---- the run's header
+
+// What every rank reports once, gathered to rank 0 (trivially copyable: the ranks exchange it as
+// bytes).
+struct EpRankInfo {
+  char device[96] = {};
+  EpRates rates;
+  int64_t ep_device_bytes = 0;  // MoeEpLayer::device_bytes
+  int64_t free_bytes = 0;       // cudaMemGetInfo after setup
+};
+
+// The run as rank 0 reports it before its points.
+struct EpRunInfo {
+  std::string device;            // rank 0's GPU
+  std::string layer_label;       // EpRankSetup::layer_label
+  EpShape shape;
+  int64_t experts_per_rank = 0;  // E / R
+  int64_t max_tokens_per_rank = 0;
+  bool deterministic = false;
+  int iters = 0;
+  bool baselines = true;
+  std::string flush;             // the L2 flush mode's name
+  int nccl_version = 0;          // NCCL_VERSION_CODE of the build
+  std::string peer_rate_method;  // how the NVLink rates were measured
+  std::vector<EpRankInfo> ranks;
+  std::string single_skipped;    // why baseline (b) does not run (empty: it does)
+};
+// Prints the run's header, every rank's rates, the weight estimates and the table's column names on
+// stdout; returns the JSON report without points.
+nlohmann::json ep_run_header(const EpRunInfo& run);
+// Prints the point's line of the table and, where a check failed, every rank's figures.
+void print_ep_point(const EpPointResult& point);
+
 }  // namespace megamoe::bench

@@ -97,8 +97,8 @@ bool zero_weight_to_decodable(uint8_t* codes, uint8_t* scales, float& global_sca
 // ModelOpt weight recipe (docs/design.md §2), bit for bit:
 //   s2 = amax(|W|)/2688 (evaluated as on `device`); per block b = amax_block/(6*s2), 1.0 where
 //   the block is all zero, clamped to [2^-9, 448], rounded to e4m3 (RNE); code =
-//   e2m1_rne(x/(b*s2)). All fp32, in ModelOpt's evaluation order (format.cpp documents each
-//   step). The code's sign comes from x/(b*s2) < 0 as in ModelOpt, so a -0 weight gets 0x0
+//   e2m1_rne(x/(b*s2)). All fp32, in ModelOpt's evaluation order (weight_quant.cpp documents
+//   each step). The code's sign comes from x/(b*s2) < 0 as in ModelOpt, so a -0 weight gets 0x0
 //   (f32_to_e2m1 gives 0x8). A matrix whose amax is 0 gets weight_scale_2 = 0 and the
 //   zero-weight signature above, as the exporter writes it.
 // `w` is row-major [rows, cols] fp32 (callers widen bf16/f16 exactly first); cols % 16 == 0.

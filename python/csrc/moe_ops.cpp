@@ -16,17 +16,17 @@
 #include <climits>
 #include <cmath>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "megamoe/gpu.h"
 #include "megamoe/precision.h"
 #include "megamoe/runtime.h"
+#include "moe_registry.h"
+#include "moe_stacked.h"
 #include "torch_utils.h"
 
 namespace megamoe::torch_ext {
@@ -36,197 +36,6 @@ constexpr const char* kPrepare = "moe_prepare";
 constexpr const char* kFused = "fused_moe_nvfp4";
 constexpr const char* kRelease = "moe_release";
 constexpr const char* kDescribe = "moe_describe";
-
-// The stacked layer tensors as the ops receive them (docs/design.md §2 engine layout).
-struct Stacked {
-  at::Tensor w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2;
-  std::optional<at::Tensor> shared_w13, shared_w13_scale, shared_w13_scale_2, shared_w2,
-      shared_w2_scale, shared_w2_scale_2;
-
-  std::vector<std::pair<const char*, const std::optional<at::Tensor>*>> shared() const {
-    return {{"shared_w13", &shared_w13},     {"shared_w13_scale", &shared_w13_scale},
-            {"shared_w13_scale_2", &shared_w13_scale_2}, {"shared_w2", &shared_w2},
-            {"shared_w2_scale", &shared_w2_scale}, {"shared_w2_scale_2", &shared_w2_scale_2}};
-  }
-  // Every tensor given, routed first, with its argument name.
-  std::vector<std::pair<const char*, at::Tensor>> present() const {
-    std::vector<std::pair<const char*, at::Tensor>> out = {
-        {"w13", w13}, {"w13_scale", w13_scale}, {"w13_scale_2", w13_scale_2},
-        {"w2", w2},   {"w2_scale", w2_scale},   {"w2_scale_2", w2_scale_2}};
-    for (const auto& [name, t] : shared()) {
-      if (t->has_value()) out.emplace_back(name, **t);
-    }
-    return out;
-  }
-};
-
-struct LayerShape {
-  int64_t hidden = 0, inter = 0, experts = 0, shared_inter = 0;
-  at::Device device = at::kCPU;
-};
-
-// Validates dtypes, shapes, devices and layout of the stacked tensors; returns H, I, E, Is.
-LayerShape check_stacked(const char* op, const Stacked& s) {
-  arg(op, "w13", s.w13)
-      .cuda()
-      .dtype({at::kByte})
-      .dims(3, "[E, 2I, H/2] packed e2m1, rows gate then up")
-      .contiguous();
-  LayerShape L;
-  L.device = s.w13.device();
-  L.experts = s.w13.size(0);
-  L.hidden = 2 * s.w13.size(2);
-  L.inter = s.w13.size(1) / 2;
-  TORCH_CHECK_VALUE(L.experts >= 1 && s.w13.size(1) % 2 == 0 && L.inter % 16 == 0 &&
-                        L.inter >= 16 && L.hidden % 16 == 0 && L.hidden >= 16,
-                    "megamoe.", op, ": w13 has shape ", sizes_string(s.w13.sizes()),
-                    ", which gives E = ", L.experts, ", 2I = ", s.w13.size(1), ", H = ", L.hidden,
-                    "; E must be >= 1, and H and I positive multiples of 16 (one ue4m3 scale per "
-                    "16 elements).");
-  const int64_t E = L.experts, H = L.hidden, I = L.inter;
-  arg(op, "w13_scale", s.w13_scale).on(L.device).scale_dtype()
-      .shape({E, 2 * I, H / 16}, "[E, 2I, H/16] ue4m3 block scales").contiguous();
-  arg(op, "w13_scale_2", s.w13_scale_2).on(L.device).dtype({at::kFloat})
-      .shape({E, 2}, "[E, 2] fp32 global scales of gate and up").contiguous();
-  arg(op, "w2", s.w2).on(L.device).dtype({at::kByte})
-      .shape({E, H, I / 2}, "[E, H, I/2] packed e2m1").contiguous();
-  arg(op, "w2_scale", s.w2_scale).on(L.device).scale_dtype()
-      .shape({E, H, I / 16}, "[E, H, I/16] ue4m3 block scales").contiguous();
-  arg(op, "w2_scale_2", s.w2_scale_2).on(L.device).dtype({at::kFloat})
-      .shape({E}, "[E] fp32 global scales of down").contiguous();
-
-  std::string given, missing;
-  for (const auto& [name, t] : s.shared()) {
-    std::string& list = t->has_value() ? given : missing;
-    list += (list.empty() ? "" : ", ") + std::string(name);
-  }
-  TORCH_CHECK_VALUE(given.empty() || missing.empty(), "megamoe.", op,
-                    ": a shared expert needs all six shared_* tensors; given ", given,
-                    ", missing ", missing, ".");
-  if (!given.empty()) {
-    const at::Tensor& sw13 = *s.shared_w13;
-    arg(op, "shared_w13", sw13).on(L.device).dtype({at::kByte})
-        .shape({-1, H / 2}, "[2Is, H/2] packed e2m1, rows gate then up").contiguous();
-    L.shared_inter = sw13.size(0) / 2;
-    TORCH_CHECK_VALUE(sw13.size(0) % 2 == 0 && L.shared_inter >= 16 && L.shared_inter % 16 == 0,
-                      "megamoe.", op, ": shared_w13 has ", sw13.size(0),
-                      " rows; expected 2Is with Is a positive multiple of 16.");
-    const int64_t Is = L.shared_inter;
-    arg(op, "shared_w13_scale", *s.shared_w13_scale).on(L.device).scale_dtype()
-        .shape({2 * Is, H / 16}, "[2Is, H/16] ue4m3 block scales").contiguous();
-    arg(op, "shared_w13_scale_2", *s.shared_w13_scale_2).on(L.device).dtype({at::kFloat})
-        .shape({2}, "[2] fp32 global scales of gate and up").contiguous();
-    arg(op, "shared_w2", *s.shared_w2).on(L.device).dtype({at::kByte})
-        .shape({H, Is / 2}, "[H, Is/2] packed e2m1").contiguous();
-    arg(op, "shared_w2_scale", *s.shared_w2_scale).on(L.device).scale_dtype()
-        .shape({H, Is / 16}, "[H, Is/16] ue4m3 block scales").contiguous();
-    const at::Tensor& s2 = *s.shared_w2_scale_2;
-    arg(op, "shared_w2_scale_2", s2).on(L.device).dtype({at::kFloat});
-    TORCH_CHECK_VALUE(s2.numel() == 1 && s2.dim() <= 1, "megamoe.", op,
-                      ": shared_w2_scale_2 has shape ", sizes_string(s2.sizes()),
-                      "; expected one fp32 global scale, shape [] or [1].");
-  }
-  return L;
-}
-
-const uint8_t* bytes(const at::Tensor& t) { return static_cast<const uint8_t*>(t.const_data_ptr()); }
-const float* floats(const at::Tensor& t) { return t.const_data_ptr<float>(); }
-
-StackedNvfp4Weights device_view(const Stacked& s, const LayerShape& L) {
-  StackedNvfp4Weights w;
-  w.hidden_size = L.hidden;
-  w.intermediate_size = L.inter;
-  w.num_experts = L.experts;
-  w.w13 = bytes(s.w13);
-  w.w13_scale = bytes(s.w13_scale);
-  w.w13_scale_2 = floats(s.w13_scale_2);
-  w.w2 = bytes(s.w2);
-  w.w2_scale = bytes(s.w2_scale);
-  w.w2_scale_2 = floats(s.w2_scale_2);
-  w.shared_intermediate_size = L.shared_inter;
-  if (L.shared_inter > 0) {
-    w.shared_w13 = bytes(*s.shared_w13);
-    w.shared_w13_scale = bytes(*s.shared_w13_scale);
-    w.shared_w13_scale_2 = floats(*s.shared_w13_scale_2);
-    w.shared_w2 = bytes(*s.shared_w2);
-    w.shared_w2_scale = bytes(*s.shared_w2_scale);
-    w.shared_w2_scale_2 = floats(*s.shared_w2_scale_2);
-  }
-  return w;
-}
-
-// What identifies a source tensor: its data, shape, dtype and (when it tracks one) the version
-// counter that every in-place write (copy_, load_state_dict) bumps.
-struct Fingerprint {
-  std::string name;
-  const void* data = nullptr;
-  std::vector<int64_t> sizes;
-  at::ScalarType dtype = at::kByte;
-  std::optional<int64_t> version;  // none for inference-mode tensors, which track no version
-
-  static Fingerprint of(const char* name, const at::Tensor& t) {
-    Fingerprint f;
-    f.name = name;
-    f.data = t.const_data_ptr();
-    f.sizes = t.sizes().vec();
-    f.dtype = t.scalar_type();
-    if (!t.is_inference()) f.version = t._version();
-    return f;
-  }
-};
-
-// One prepared layer on one device.
-struct PreparedMoe {
-  PreparedMoe(at::Device dev, MoePlan p, MoeDeviceWeights w, at::Tensor ws,
-              std::vector<Fingerprint> src)
-      : device(dev), plan(std::move(p)), weights(std::move(w)), workspace(std::move(ws)),
-        sources(std::move(src)) {}
-  at::Device device;
-  MoePlan plan;
-  MoeDeviceWeights weights;
-  at::Tensor workspace;  // uint8, MoePlan::workspace_bytes() (the caching allocator aligns to 512)
-  std::vector<Fingerprint> sources;
-};
-
-class Registry {
- public:
-  int64_t add(std::shared_ptr<PreparedMoe> p) {
-    const std::lock_guard<std::mutex> lock(mu_);
-    const int64_t id = next_++;
-    live_.emplace(id, std::move(p));
-    return id;
-  }
-  std::shared_ptr<PreparedMoe> get(int64_t id, const char* op) const {
-    const std::lock_guard<std::mutex> lock(mu_);
-    const auto it = live_.find(id);
-    TORCH_CHECK_VALUE(it != live_.end(), "megamoe.", op, ": handle ", id,
-                      " is not a live prepared layer (never returned by megamoe.moe_prepare, or "
-                      "already released).");
-    return it->second;
-  }
-  std::shared_ptr<PreparedMoe> remove(int64_t id, const char* op) {
-    const std::lock_guard<std::mutex> lock(mu_);
-    const auto it = live_.find(id);
-    TORCH_CHECK_VALUE(it != live_.end(), "megamoe.", op, ": handle ", id,
-                      " is not a live prepared layer (never returned by megamoe.moe_prepare, or "
-                      "already released).");
-    std::shared_ptr<PreparedMoe> p = std::move(it->second);
-    live_.erase(it);
-    return p;
-  }
-
- private:
-  mutable std::mutex mu_;
-  int64_t next_ = 1;
-  std::unordered_map<int64_t, std::shared_ptr<PreparedMoe>> live_;
-};
-
-// Never destroyed: layers still registered at exit must not be freed after the CUDA runtime has
-// shut down (static destruction order across libraries is unspecified).
-Registry& registry() {
-  static Registry* r = new Registry();
-  return *r;
-}
 
 cudaStream_t current_stream(const at::Device& device) {
   return at::cuda::getCurrentCUDAStream(device.index()).stream();

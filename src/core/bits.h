@@ -1,4 +1,4 @@
-// Bit-level helpers shared by the host codecs (src/core/dtype.cpp, src/format/format.cpp). Bit
+// Bit-level helpers shared by the host codecs (src/core/dtype.cpp, src/format/codecs.cpp). Bit
 // casts between float and its bits are std::bit_cast everywhere (and in include/megamoe/dtype.h).
 #pragma once
 
