@@ -1,7 +1,10 @@
-// Epilogues of the sm90 W4A16 grouped GEMM, on one warpgroup's (64, BLOCK_N) fp32 accumulators:
-//   L1: global scales of gate and up, optional clamp, SwiGLU, one bf16 rounding -> act[slot, I];
-//   L2: global scale, routing weight -> atomically added to the fp32 combine accumulator [T, H],
-//       or (deterministic) stored per slot for the fixed-order combine kernel.
+// Epilogues of the sm90 W4A16 grouped GEMM, on one warpgroup's (64, BLOCK_N) fp32 accumulators
+// (store_tile picks one by GEMM and tile):
+//   L1: global scales of gate and up, optional clamp, SwiGLU, one bf16 rounding -> act[slot, I]
+//       (swiglu_to_act_direct, swiglu_to_act_staged);
+//   L2: global scale, routing weight -> atomically added to the fp32 combine accumulator [T, H]
+//       (add_weighted_direct), or (deterministic) stored per slot for the fixed-order combine
+//       kernel (store_slots_direct); combine_staged does either through shared memory.
 // Also the zeroing of the combine accumulator, which L1 does before L2 adds into it.
 #pragma once
 
@@ -67,186 +70,231 @@ __device__ __forceinline__ void for_each_valid_column(const WorkItem& w, int t, 
   }
 }
 
-// Epilogue of one warpgroup's (64, BLOCK_N) tile m_tile, r0 = 16 * warp + g.
-// staging: the L2 combine's staging in shared memory (Smem::kStagingOffset); kOwnStaging: it is
-// not the B stages, so no CTA barrier before it.
-// table_token, table_weight (kOwnStaging, L2): the item's tokens and routing weights in shared
+// SwiGLU of one (gate, up) accumulator pair with its rows' global scales, clamped to `limit`,
+// rounded to bf16 once. The A operand carries 2^-8 (sm90_w4a16_layout.h): the callers scale s2 by
+// 2^8, which is exact and gives the same rounding as unscaling the accumulator first.
+__device__ __forceinline__ __nv_bfloat16 swiglu_bf16(float gate_acc, float up_acc, float s2_gate, float s2_up,
+                                                     float limit) {
+  const float gate = fminf(gate_acc * s2_gate, limit);
+  const float up = fminf(fmaxf(up_acc * s2_up, -limit), limit);
+  return __float2bfloat16_rn(silu(gate) * up);
+}
+
+// The epilogues below work on one warpgroup's (64, BLOCK_N) tile m_tile, r0 = 16 * warp + g;
+// store_tile picks one.
+
+// L1, one warpgroup (the decode tiles): SwiGLU into act element by element (their items are
+// narrow; see add_weighted_direct).
+template <int kBlockN>
+__device__ __forceinline__ void swiglu_to_act_direct(const W4a16L1Params& p, const float (&acc)[kBlockN / 2],
+                                                     const WorkItem& w, int m_tile, int warp, int g, int t) {
+  using namespace w4a16;
+  const float s2_gate = p.s2_gate[w.expert] * kAccumulatorUnscale, s2_up = p.s2_up[w.expert] * kAccumulatorUnscale;
+  const int64_t col_j = w13_intermediate_column(m_tile, warp * 16 + g);
+  for_each_valid_column<kBlockN>(w, t, [&](int slot, int j_gate, int j_up) {
+    p.act[static_cast<int64_t>(slot) * p.act_ld + col_j] =
+        swiglu_bf16(acc[j_gate], acc[j_up], s2_gate, s2_up, p.swiglu_limit);
+  });
+}
+
+// L1, two or more warpgroups: SwiGLU into act through shared memory, per warp. A warp's gate / up
+// row pairs are 8 consecutive act columns (w13_intermediate_column), 16 bytes of each token's row,
+// spread over the 8 lanes of a quad column (g); element by element, each 2-byte store needs a
+// 64-bit address of its own, which ptxas computes before the K loop and spills to local memory
+// (docs/perf/2026-11-22-h100-w4a16-v22.md). Staged as (kStagedColumns tokens, 8 columns), lane L
+// writes token L's 16 bytes with one store. The warp's region (512 bytes) is its own: __syncwarp
+// orders it. kOwnStaging: the staging is not the B stages, so no CTA barrier before it.
+template <int kBlockN, bool kOwnStaging>
+__device__ __forceinline__ void swiglu_to_act_staged(const W4a16L1Params& p, const float (&acc)[kBlockN / 2],
+                                                     const WorkItem& w, int m_tile, int warp, int g, int t,
+                                                     uint8_t* staging_smem) {
+  using namespace w4a16;
+  const float s2_gate = p.s2_gate[w.expert] * kAccumulatorUnscale, s2_up = p.s2_up[w.expert] * kAccumulatorUnscale;
+  static_assert(kBlockN % kStagedColumns == 0, "the staged epilogue passes kStagedColumns tokens at a time");
+  static_assert(kStagedColumns == 32, "one token per lane in a pass");
+  static_assert(kStagedColumns * 8 * 2 * 4 <= kStagedColumns * kStagedStride * 4,
+                "a warpgroup's four (kStagedColumns, 8) bf16 regions must fit its staging");
+  const int lane = threadIdx.x % 32;
+  const int wg = threadIdx.x / kThreadsPerWarpgroup;
+  __nv_bfloat16* const stage =
+      reinterpret_cast<__nv_bfloat16*>(staging_smem + wg * kStagedColumns * kStagedStride * 4) +
+      warp * kStagedColumns * 8;  // (kStagedColumns, 8)
+  __nv_bfloat16* const act_cols = p.act + w13_intermediate_column(m_tile, warp * 16);
+  if constexpr (!kOwnStaging) __syncthreads();  // the B stages are free once every wgmma is done
+  #pragma unroll
+  for (int first = 0; first < kBlockN; first += kStagedColumns) {
+    #pragma unroll
+    for (int i = first / 8; i < (first + kStagedColumns) / 8; ++i) {
+      #pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        stage[(8 * i - first + 2 * t + c) * 8 + g] =
+            swiglu_bf16(acc[4 * i + c], acc[4 * i + 2 + c], s2_gate, s2_up, p.swiglu_limit);
+      }
+    }
+    __syncwarp();
+    const int slot = w.slot_begin + first + lane;
+    if (slot < w.slot_end) {
+      *reinterpret_cast<uint4*>(act_cols + static_cast<int64_t>(slot) * p.act_ld) =
+          *reinterpret_cast<const uint4*>(stage + lane * 8);
+    }
+    __syncwarp();  // the next pass overwrites the region
+  }
+}
+
+// L2, one warpgroup, deterministic combine: y = acc * s2 stored per slot, element by element
+// (s2: the down scale times 2^8, as in swiglu_bf16; row0: this thread's first output row).
+template <int kBlockN>
+__device__ __forceinline__ void store_slots_direct(const W4a16L2Params& p, const float (&acc)[kBlockN / 2],
+                                                   const WorkItem& w, int t, float s2, int64_t row0) {
+  for_each_valid_column<kBlockN>(w, t, [&](int slot, int j0, int j1) {
+    float* y = p.y_slot + static_cast<int64_t>(slot) * p.out_ld + row0;
+    y[0] = acc[j0] * s2;
+    y[8] = acc[j1] * s2;
+  });
+}
+
+// L2, one warpgroup, atomic combine: y = acc * s2 times the routing weight, atomically added to
+// the token's row, element by element. The one-warpgroup (decode) tiles do not stage: the staged
+// path (combine_staged) changes ptxas's register allocation of their issue-bound L2 mainloops and
+// grows every K group (docs/perf/2026-11-21-h100-w4a16-v16.md; tests/sass/check_sass.sh), and
+// their items are narrow, so the epilogue is small. The columns' tokens and routing weights are
+// loaded in batches of 16 ahead of their atomics: a load after an atomic add to a float* that may
+// alias slot_weight cannot move above it, so loading per column made one global-load round trip
+// per column in sequence (docs/perf/2026-11-21-h100-w4a16-v15.md).
+template <int kBlockN>
+__device__ __forceinline__ void add_weighted_direct(const W4a16L2Params& p, const float (&acc)[kBlockN / 2],
+                                                    const WorkItem& w, int t, float s2, int64_t row0) {
+  constexpr int kColumns = kBlockN / 4;  // this thread's columns 8i + 2t + c: index 2i + c
+  constexpr int kBatch = 16;
+  #pragma unroll
+  for (int first = 0; first < kColumns; first += kBatch) {
+    int32_t token[kBatch];
+    float weight[kBatch];
+    #pragma unroll
+    for (int j = 0; j < kBatch && first + j < kColumns; ++j) {
+      const int col = first + j;
+      const int slot = w.slot_begin + 8 * (col / 2) + 2 * t + col % 2;
+      const bool valid = slot < w.slot_end;
+      token[j] = valid ? p.slot_token[slot] : 0;
+      weight[j] = valid ? p.slot_weight[slot] : 0.0f;
+    }
+    #pragma unroll
+    for (int j = 0; j < kBatch && first + j < kColumns; ++j) {
+      const int col = first + j, i = col / 2, c = col % 2;
+      if (w.slot_begin + 8 * i + 2 * t + c < w.slot_end) {
+        // Same order as the semantics: y = acc * s2, then times the routing weight.
+        float* o = p.out_acc + static_cast<int64_t>(token[j]) * p.out_ld + row0;
+        atomicAdd(o, (acc[4 * i + c] * s2) * weight[j]);
+        atomicAdd(o + 8, (acc[4 * i + 2 + c] * s2) * weight[j]);
+      }
+    }
+  }
+}
+
+// L2, two or more warpgroups, both combines: through a transpose in shared memory. The
+// accumulators give a thread two rows (r0, r0 + 8) of many tokens, so storing them as they lie
+// takes one 4-byte access per element (a warp's instruction: 4 tokens x 8 rows). Staged per
+// warpgroup as (token, 64 rows) columns, a lane holds 4 consecutive rows of one token and writes
+// them with one 16-byte access: a quarter of the instructions, and a warp's instruction covers two
+// tokens' 64 rows, i.e. whole 128-byte lines. Atomic combine: red.global.add.v4.f32 (sm_90) into
+// out_acc[token]; deterministic: a store to y_slot[slot] (the combine kernel sums the slots in a
+// fixed order). The combine's cost follows the number of requests that leave the SM, not only its
+// bytes: whole lines beat per-warp staging (64-byte pieces), which beats per-element atomics
+// (megamoe_mainloop_probe, docs/perf/2026-11-22-h100-w4a16-v19.md).
+// The staging (Smem::kStagingOffset) reuses the B stages, free once every warpgroup is past its
+// last wgmma (the barrier below), unless the tile has its own (kOwnStaging); the caller's barrier
+// after the item hands the B stages back to the next item. Within a pass the warpgroup's warps
+// meet at a named barrier (id 1 + warpgroup; id 0 is __syncthreads).
+// table_token, table_weight (kOwnStaging): the item's tokens and routing weights in shared
 // memory, indexed from w.slot_begin; the other tiles read them from p.
+template <int kBlockN, bool kOwnStaging>
+__device__ __forceinline__ void combine_staged(const W4a16L2Params& p, const float (&acc)[kBlockN / 2],
+                                               const WorkItem& w, int m_tile, int warp, int g, int t,
+                                               uint8_t* staging_smem, const int32_t* table_token,
+                                               const float* table_weight) {
+  using namespace w4a16;
+  const float s2 = p.s2_down[w.expert] * kAccumulatorUnscale;  // exact, see swiglu_bf16
+  static_assert(kBlockN % kStagedColumns == 0, "the staged combine passes kStagedColumns tokens at a time");
+  const int lane = threadIdx.x % 32;
+  const int wg = threadIdx.x / kThreadsPerWarpgroup;
+  float* const staging = reinterpret_cast<float*>(staging_smem) + wg * kStagedColumns * kStagedStride;
+  const int half = lane / 16;                                             // which of two tokens
+  const int64_t rows = static_cast<int64_t>(m_tile) * kTileM + 4 * (lane % 16);  // this lane's 4 rows
+  const bool to_slots = p.y_slot != nullptr;
+  auto warpgroup_barrier = [wg] { asm volatile("bar.sync %0, 128;\n" :: "r"(1 + wg) : "memory"); };
+  if constexpr (!kOwnStaging) __syncthreads();
+  #pragma unroll
+  for (int first = 0; first < kBlockN; first += kStagedColumns) {
+    // This lane's tokens in the pass: columns first + 8 warp + 2 j + half, their destination row
+    // (token or slot, -1 past the item's slots) and routing weight: from the absorbing tile's
+    // slot table in shared memory, or from global memory before the staging stores, so that
+    // their round trip overlaps them.
+    int32_t dst_row[kStagedColumns / 8];
+    float weight[kStagedColumns / 8];
+    #pragma unroll
+    for (int j = 0; j < kStagedColumns / 8; ++j) {
+      const int column = first + 8 * warp + 2 * j + half;
+      const int slot = w.slot_begin + column;
+      const bool valid = slot < w.slot_end;
+      if constexpr (kOwnStaging) {
+        // The absorbing tile: its item's slot table (gemm_item_overlapped).
+        dst_row[j] = !valid ? -1 : (to_slots ? slot : table_token[column]);
+        weight[j] = valid && !to_slots ? table_weight[column] : 0.0f;
+      } else {
+        dst_row[j] = !valid ? -1 : (to_slots ? slot : p.slot_token[slot]);
+        weight[j] = valid && !to_slots ? p.slot_weight[slot] : 0.0f;
+      }
+    }
+    // Same order as the semantics: y = acc * s2 here, times the routing weight below.
+    #pragma unroll
+    for (int i = first / 8; i < (first + kStagedColumns) / 8; ++i) {
+      #pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        float* col = staging + (8 * i - first + 2 * t + c) * kStagedStride + 16 * warp;
+        col[g] = acc[4 * i + c] * s2;
+        col[g + 8] = acc[4 * i + 2 + c] * s2;
+      }
+    }
+    warpgroup_barrier();
+    #pragma unroll
+    for (int j = 0; j < kStagedColumns / 8; ++j) {
+      if (dst_row[j] >= 0) {
+        const float4 y =
+            *reinterpret_cast<const float4*>(staging + (8 * warp + 2 * j + half) * kStagedStride + 4 * (lane % 16));
+        const int64_t offset = static_cast<int64_t>(dst_row[j]) * p.out_ld + rows;
+        if (to_slots) {
+          *reinterpret_cast<float4*>(p.y_slot + offset) = y;
+        } else {
+          ptx::red_add_v4(p.out_acc + offset, y.x * weight[j], y.y * weight[j], y.z * weight[j], y.w * weight[j]);
+        }
+      }
+    }
+    warpgroup_barrier();  // the next pass overwrites the staging
+  }
+}
+
+// The epilogue of one warpgroup's (64, BLOCK_N) tile m_tile, r0 = 16 * warp + g: L1's SwiGLU or
+// L2's combine, element by element on the one-warpgroup tiles, staged in shared memory on the
+// others (staging_smem: Smem::kStagingOffset; kOwnStaging, table_token, table_weight: see
+// combine_staged).
 template <bool kIsL1, int kWarpgroups, int kBlockN, bool kOwnStaging = false>
-__device__ __forceinline__ void store_tile(const W4a16GemmParams& p, const float (&acc)[kBlockN / 2],
+__device__ __forceinline__ void store_tile(const W4a16GemmParams<kIsL1>& p, const float (&acc)[kBlockN / 2],
                                            const WorkItem& w, int m_tile, int warp, int g, int t, uint8_t* staging_smem,
                                            const int32_t* table_token = nullptr, const float* table_weight = nullptr) {
-  using namespace w4a16;
-  const int e = w.expert;
-  if constexpr (kIsL1) {
-    // The A operand carries 2^-8 (sm90_w4a16_layout.h); scaling s2 by 2^8 is exact and gives the
-    // same rounding as unscaling the accumulator first.
-    const float s2_gate = p.s2_a[e] * kAccumulatorUnscale, s2_up = p.s2_b[e] * kAccumulatorUnscale;
-    auto swiglu = [&](float gate_acc, float up_acc) {
-      const float gate = fminf(gate_acc * s2_gate, p.swiglu_limit);
-      const float up = fminf(fmaxf(up_acc * s2_up, -p.swiglu_limit), p.swiglu_limit);
-      return __float2bfloat16_rn(silu(gate) * up);
-    };
-    if constexpr (kWarpgroups == 1) {
-      // The one-warpgroup (decode) tiles store element by element (their items are narrow; see
-      // the L2 branch).
-      const int64_t col_j = w13_intermediate_column(m_tile, warp * 16 + g);
-      for_each_valid_column<kBlockN>(w, t, [&](int slot, int j_gate, int j_up) {
-        p.act[static_cast<int64_t>(slot) * p.act_ld + col_j] = swiglu(acc[j_gate], acc[j_up]);
-      });
+  if constexpr (kIsL1 && kWarpgroups == 1) {
+    swiglu_to_act_direct<kBlockN>(p, acc, w, m_tile, warp, g, t);
+  } else if constexpr (kIsL1) {
+    swiglu_to_act_staged<kBlockN, kOwnStaging>(p, acc, w, m_tile, warp, g, t, staging_smem);
+  } else if constexpr (kWarpgroups == 1) {
+    const float s2 = p.s2_down[w.expert] * w4a16::kAccumulatorUnscale;  // exact, see swiglu_bf16
+    const int64_t row0 = static_cast<int64_t>(m_tile) * w4a16::kTileM + warp * 16 + g;
+    if (p.y_slot != nullptr) {
+      store_slots_direct<kBlockN>(p, acc, w, t, s2, row0);
     } else {
-      // Through shared memory, per warp. A warp's gate / up row pairs are 8 consecutive act
-      // columns (w13_intermediate_column), 16 bytes of each token's row, spread over the 8 lanes
-      // of a quad column (g); element by element, each 2-byte store needs a 64-bit address of its
-      // own, which ptxas computes before the K loop and spills to local memory
-      // (docs/perf/2026-11-22-h100-w4a16-v22.md). Staged as (kStagedColumns tokens, 8 columns),
-      // lane L writes token L's 16 bytes with one store. The warp's region (512 bytes) is its
-      // own: __syncwarp orders it.
-      static_assert(kBlockN % kStagedColumns == 0, "the staged epilogue passes kStagedColumns tokens at a time");
-      static_assert(kStagedColumns == 32, "one token per lane in a pass");
-      static_assert(kStagedColumns * 8 * 2 * 4 <= kStagedColumns * kStagedStride * 4,
-                    "a warpgroup's four (kStagedColumns, 8) bf16 regions must fit its staging");
-      const int lane = threadIdx.x % 32;
-      const int wg = threadIdx.x / kThreadsPerWarpgroup;
-      __nv_bfloat16* const stage = reinterpret_cast<__nv_bfloat16*>(staging_smem + wg * kStagedColumns * kStagedStride * 4) +
-                                   warp * kStagedColumns * 8;  // (kStagedColumns, 8)
-      __nv_bfloat16* const act_cols = p.act + w13_intermediate_column(m_tile, warp * 16);
-      if constexpr (!kOwnStaging) __syncthreads();  // the B stages are free once every wgmma is done
-      #pragma unroll
-      for (int first = 0; first < kBlockN; first += kStagedColumns) {
-        #pragma unroll
-        for (int i = first / 8; i < (first + kStagedColumns) / 8; ++i) {
-          #pragma unroll
-          for (int c = 0; c < 2; ++c) stage[(8 * i - first + 2 * t + c) * 8 + g] = swiglu(acc[4 * i + c], acc[4 * i + 2 + c]);
-        }
-        __syncwarp();
-        const int slot = w.slot_begin + first + lane;
-        if (slot < w.slot_end) {
-          *reinterpret_cast<uint4*>(act_cols + static_cast<int64_t>(slot) * p.act_ld) =
-              *reinterpret_cast<const uint4*>(stage + lane * 8);
-        }
-        __syncwarp();  // the next pass overwrites the region
-      }
+      add_weighted_direct<kBlockN>(p, acc, w, t, s2, row0);
     }
   } else {
-    const float s2 = p.s2_a[e] * kAccumulatorUnscale;  // exact, see the L1 branch
-    const int64_t row0 = static_cast<int64_t>(m_tile) * kTileM + warp * 16 + g;
-    if constexpr (kWarpgroups == 1) {
-      // The one-warpgroup (decode) tiles store element by element: the staged path below changes
-      // ptxas's register allocation of their issue-bound L2 mainloops and grows every K group
-      // (docs/perf/2026-11-21-h100-w4a16-v16.md; tests/sass/check_sass.sh), and their items are
-      // narrow, so the epilogue is small.
-      if (p.y_slot != nullptr) {
-        for_each_valid_column<kBlockN>(w, t, [&](int slot, int j0, int j1) {
-          float* y = p.y_slot + static_cast<int64_t>(slot) * p.out_ld + row0;
-          y[0] = acc[j0] * s2;
-          y[8] = acc[j1] * s2;
-        });
-        return;
-      }
-      // Atomic combine. The columns' tokens and routing weights are loaded in batches of 16 ahead
-      // of their atomics: a load after an atomic add to a float* that may alias slot_weight
-      // cannot move above it, so loading per column made one global-load round trip per column
-      // in sequence (docs/perf/2026-11-21-h100-w4a16-v15.md).
-      constexpr int kColumns = kBlockN / 4;  // this thread's columns 8i + 2t + c: index 2i + c
-      constexpr int kBatch = 16;
-      #pragma unroll
-      for (int first = 0; first < kColumns; first += kBatch) {
-        int32_t token[kBatch];
-        float weight[kBatch];
-        #pragma unroll
-        for (int j = 0; j < kBatch && first + j < kColumns; ++j) {
-          const int col = first + j;
-          const int slot = w.slot_begin + 8 * (col / 2) + 2 * t + col % 2;
-          const bool valid = slot < w.slot_end;
-          token[j] = valid ? p.slot_token[slot] : 0;
-          weight[j] = valid ? p.slot_weight[slot] : 0.0f;
-        }
-        #pragma unroll
-        for (int j = 0; j < kBatch && first + j < kColumns; ++j) {
-          const int col = first + j, i = col / 2, c = col % 2;
-          if (w.slot_begin + 8 * i + 2 * t + c < w.slot_end) {
-            // Same order as the semantics: y = acc * s2, then times the routing weight.
-            float* o = p.out_acc + static_cast<int64_t>(token[j]) * p.out_ld + row0;
-            atomicAdd(o, (acc[4 * i + c] * s2) * weight[j]);
-            atomicAdd(o + 8, (acc[4 * i + 2 + c] * s2) * weight[j]);
-          }
-        }
-      }
-      return;
-    } else {
-      // Both combines go through a transpose in shared memory. The accumulators give a thread two
-      // rows (r0, r0 + 8) of many tokens, so storing them as they lie takes one 4-byte access per
-      // element (a warp's instruction: 4 tokens x 8 rows). Staged per warpgroup as (token, 64 rows)
-      // columns, a lane holds 4 consecutive rows of one token and writes them with one 16-byte
-      // access: a quarter of the instructions, and a warp's instruction covers two tokens' 64 rows,
-      // i.e. whole 128-byte lines. Atomic combine: red.global.add.v4.f32 (sm_90) into
-      // out_acc[token]; deterministic: a store to y_slot[slot] (the combine kernel sums the slots in
-      // a fixed order). The combine's cost follows the number of requests that leave the SM, not
-      // only its bytes: whole lines beat per-warp staging (64-byte pieces), which beats
-      // per-element atomics (megamoe_mainloop_probe, docs/perf/2026-11-22-h100-w4a16-v19.md).
-      // The staging reuses the B stages, free once every warpgroup is past its last wgmma (the
-      // barrier below), unless the tile has its own (kOwnStaging); the caller's barrier after the
-      // item hands the B stages back to the next item. Within a pass the warpgroup's warps meet at a
-      // named barrier (id 1 + warpgroup; id 0 is __syncthreads).
-      static_assert(kBlockN % kStagedColumns == 0, "the staged combine passes kStagedColumns tokens at a time");
-      const int lane = threadIdx.x % 32;
-      const int wg = threadIdx.x / kThreadsPerWarpgroup;
-      float* const staging = reinterpret_cast<float*>(staging_smem) + wg * kStagedColumns * kStagedStride;
-      const int half = lane / 16;                                             // which of two tokens
-      const int64_t rows = static_cast<int64_t>(m_tile) * kTileM + 4 * (lane % 16);  // this lane's 4 rows
-      const bool to_slots = p.y_slot != nullptr;
-      auto warpgroup_barrier = [wg] { asm volatile("bar.sync %0, 128;\n" :: "r"(1 + wg) : "memory"); };
-      if constexpr (!kOwnStaging) __syncthreads();
-      #pragma unroll
-      for (int first = 0; first < kBlockN; first += kStagedColumns) {
-        // This lane's tokens in the pass: columns first + 8 warp + 2 j + half, their destination row
-        // (token or slot, -1 past the item's slots) and routing weight: from the absorbing tile's
-        // slot table in shared memory, or from global memory before the staging stores, so that
-        // their round trip overlaps them.
-        int32_t dst_row[kStagedColumns / 8];
-        float weight[kStagedColumns / 8];
-        #pragma unroll
-        for (int j = 0; j < kStagedColumns / 8; ++j) {
-          const int column = first + 8 * warp + 2 * j + half;
-          const int slot = w.slot_begin + column;
-          const bool valid = slot < w.slot_end;
-          if constexpr (kOwnStaging) {
-            // The absorbing tile: its item's slot table (gemm_item_overlapped).
-            dst_row[j] = !valid ? -1 : (to_slots ? slot : table_token[column]);
-            weight[j] = valid && !to_slots ? table_weight[column] : 0.0f;
-          } else {
-            dst_row[j] = !valid ? -1 : (to_slots ? slot : p.slot_token[slot]);
-            weight[j] = valid && !to_slots ? p.slot_weight[slot] : 0.0f;
-          }
-        }
-        // Same order as the semantics: y = acc * s2 here, times the routing weight below.
-        #pragma unroll
-        for (int i = first / 8; i < (first + kStagedColumns) / 8; ++i) {
-          #pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            float* col = staging + (8 * i - first + 2 * t + c) * kStagedStride + 16 * warp;
-            col[g] = acc[4 * i + c] * s2;
-            col[g + 8] = acc[4 * i + 2 + c] * s2;
-          }
-        }
-        warpgroup_barrier();
-        #pragma unroll
-        for (int j = 0; j < kStagedColumns / 8; ++j) {
-          if (dst_row[j] >= 0) {
-            const float4 y =
-                *reinterpret_cast<const float4*>(staging + (8 * warp + 2 * j + half) * kStagedStride + 4 * (lane % 16));
-            const int64_t offset = static_cast<int64_t>(dst_row[j]) * p.out_ld + rows;
-            if (to_slots) {
-              *reinterpret_cast<float4*>(p.y_slot + offset) = y;
-            } else {
-              ptx::red_add_v4(p.out_acc + offset, y.x * weight[j], y.y * weight[j], y.z * weight[j], y.w * weight[j]);
-            }
-          }
-        }
-        warpgroup_barrier();  // the next pass overwrites the staging
-      }
-    }
+    combine_staged<kBlockN, kOwnStaging>(p, acc, w, m_tile, warp, g, t, staging_smem, table_token, table_weight);
   }
 }
 

@@ -250,14 +250,15 @@ struct NoHook {
 // bars: the stage barriers (kOverlappedSync == kMbarriers), set up once per CTA by
 // init_stage_barriers and carried from item to item. kEpilogue = false leaves the epilogue out
 // (megamoe_mainloop_probe: what the item boundary costs without it; the accumulators' sum is
-// stored only where it is exactly -1, so that the K loop stays). after_first_copies: see
+// stored in out_acc only where it is exactly -1, so that the K loop stays). after_first_copies: see
 // overlapped_k_loop.
 template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, bool kEpilogue = true, class AfterMainloop,
           class AfterFirstCopies = NoHook>
-__device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, const WorkItem& w, uint8_t* smem,
+__device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams<kIsL1>& p, const WorkItem& w, uint8_t* smem,
                                                      StageBarriers& bars, AfterMainloop&& after_mainloop,
                                                      AfterFirstCopies after_first_copies = {}) {
   using namespace w4a16;
+  static_assert(kEpilogue || !kIsL1, "the probe's items without their epilogue are L2's (they write out_acc)");
   using Smem = W4a16SmemLayout<kWarpgroups, kBlockN, kStages>;
   constexpr int kThreads = kWarpgroups * kThreadsPerWarpgroup;
   // The absorbing tile's items are 128 tokens, its experts' last up to 160; the 128-token tile's

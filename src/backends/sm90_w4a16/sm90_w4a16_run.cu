@@ -43,12 +43,22 @@ int32_t guess_n_tiles(const PipelineRun& r, const GemmConfig& c) {
   return static_cast<int32_t>(std::max<int64_t>(1, std::llround(per_expert / c.tile_step())));
 }
 
+// What both GEMMs read of the dispatch: the experts' slot ranges and the slots' tokens and
+// routing weights.
+void set_slots(k90::W4a16GemmCommon& g, const PipelineRun& r, const k90::DispatchParams& d) {
+  g.expert_offsets = d.expert_offsets;
+  g.num_experts = static_cast<int32_t>(r.virtual_experts);
+  g.num_routed = d.num_experts;
+  g.slot_token = d.slot_token;
+  g.slot_weight = d.slot_weight;
+}
+
 // L1: x · W13ᵀ gathered by slot, SwiGLU into act; zeroes the combine accumulator for L2.
-k90::W4a16GemmParams l1_params(const PipelineRun& r, const MoeConfig& cfg, const Sm90PrepackedWeights& w,
-                               const k90::DispatchParams& d) {
+k90::W4a16L1Params l1_params(const PipelineRun& r, const MoeConfig& cfg, const Sm90PrepackedWeights& w,
+                             const k90::DispatchParams& d) {
   const MoeProblem& p = r.problem;
   void* ws = r.args.workspace;
-  k90::W4a16GemmParams g{};
+  k90::W4a16L1Params g{};
   g.codes = w.w13_codes;
   g.scales = w.w13_scales;
   g.code_expert_stride = w.w13_code_stride;
@@ -57,16 +67,15 @@ k90::W4a16GemmParams l1_params(const PipelineRun& r, const MoeConfig& cfg, const
   g.k_chunks = static_cast<int32_t>(p.hidden_size / 64);
   g.k_splits = 1;
   g.k_chunks_per_split = g.k_chunks;
-  g.s2_a = w.s2;
-  g.s2_b = w.s2 + r.virtual_experts;
   g.b_src = reinterpret_cast<const __nv_bfloat16*>(r.args.hidden);
   g.b_ld = p.hidden_size;
-  g.expert_offsets = d.expert_offsets;
   g.tile_offsets = d.l1_tile_offsets;
   g.work_counter = d.counters + kL1WorkCounter;
-  g.num_experts = static_cast<int32_t>(r.virtual_experts);
-  g.slot_token = d.slot_token;
-  g.slot_weight = d.slot_weight;
+  set_slots(g, r, d);
+  // Early start knows its first L1 items exactly: no guess.
+  g.guess_n_tiles = cfg.early_start ? 0 : guess_n_tiles(r, cfg.l1);
+  g.s2_gate = w.s2;
+  g.s2_up = w.s2 + r.virtual_experts;
   g.act = workspace_at<__nv_bfloat16>(ws, r.layout.act);
   g.act_ld = p.intermediate_size;
   g.swiglu_limit = p.swiglu_limit ? *p.swiglu_limit : std::numeric_limits<float>::infinity();
@@ -75,20 +84,17 @@ k90::W4a16GemmParams l1_params(const PipelineRun& r, const MoeConfig& cfg, const
   g.topk_ids = cfg.early_start ? r.args.topk_ids : nullptr;
   g.tokens = d.tokens;
   g.top_k = d.top_k;
-  g.num_routed = d.num_experts;
   g.shared_chunks = d.shared_chunks;
-  // Early start knows its first L1 items exactly: no guess.
-  g.guess_n_tiles = cfg.early_start ? 0 : guess_n_tiles(r, cfg.l1);
   return g;
 }
 
 // L2: act · W2ᵀ, scaled by the routing weight, added into the combine accumulator (or stored per
 // slot for the deterministic combine).
-k90::W4a16GemmParams l2_params(const PipelineRun& r, const MoeConfig& cfg, const Sm90PrepackedWeights& w,
-                               const k90::DispatchParams& d, const k90::W4a16GemmParams& l1) {
+k90::W4a16L2Params l2_params(const PipelineRun& r, const MoeConfig& cfg, const Sm90PrepackedWeights& w,
+                             const k90::DispatchParams& d) {
   const MoeProblem& p = r.problem;
   void* ws = r.args.workspace;
-  k90::W4a16GemmParams g = l1;  // the schedule, slots and routing fields are shared
+  k90::W4a16L2Params g{};
   g.codes = w.w2_codes;
   g.scales = w.w2_scales;
   g.code_expert_stride = w.w2_code_stride;
@@ -97,20 +103,16 @@ k90::W4a16GemmParams l2_params(const PipelineRun& r, const MoeConfig& cfg, const
   g.k_chunks = static_cast<int32_t>(p.intermediate_size / 64);
   g.k_splits = cfg.l2.k_splits;
   g.k_chunks_per_split = (g.k_chunks + g.k_splits - 1) / g.k_splits;
-  g.s2_a = w.s2 + 2 * r.virtual_experts;
-  g.s2_b = nullptr;
   g.b_src = workspace_at<__nv_bfloat16>(ws, r.layout.act);
   g.b_ld = p.intermediate_size;
   g.tile_offsets = d.l2_tile_offsets;
   g.work_counter = d.counters + kL2WorkCounter;
-  g.act = nullptr;
+  set_slots(g, r, d);
+  g.guess_n_tiles = guess_n_tiles(r, cfg.l2);
+  g.s2_down = w.s2 + 2 * r.virtual_experts;
   g.out_acc = p.deterministic ? nullptr : workspace_at<float>(ws, r.layout.out_acc);
   g.y_slot = p.deterministic ? workspace_at<float>(ws, r.layout.y_slot) : nullptr;
   g.out_ld = p.hidden_size;
-  g.zero_first = nullptr;
-  g.zero_count = 0;
-  g.topk_ids = nullptr;
-  g.guess_n_tiles = guess_n_tiles(r, cfg.l2);
   return g;
 }
 
@@ -125,8 +127,8 @@ void run_sm90_w4a16(const MoePlan& plan, const Sm90PrepackedWeights& w, const Mo
   const k90::DispatchParams d = dispatch_params(r, schedule_of(cfg.l1), schedule_of(cfg.l2));
   launch_dispatch(d, r.tokens * p.top_k, stream);
 
-  const k90::W4a16GemmParams g1 = l1_params(r, cfg, w, d);
-  const k90::W4a16GemmParams g2 = l2_params(r, cfg, w, d, g1);
+  const k90::W4a16L1Params g1 = l1_params(r, cfg, w, d);
+  const k90::W4a16L2Params g2 = l2_params(r, cfg, w, d);
   const int64_t l1_work = max_work_items(r, cfg.l1, d.l1_m_tiles), l2_work = max_work_items(r, cfg.l2, d.l2_m_tiles);
   if (cfg.fused) {
     k90::W4a16FusedParams f{};

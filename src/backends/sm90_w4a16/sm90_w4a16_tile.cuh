@@ -35,7 +35,7 @@ inline constexpr int kTileStep = kBlockN == 160 ? 128 : kBlockN;
 template <bool kIsL1, int kWarpgroups, int kBlockN>
 inline constexpr bool kMayStartEarly = kIsL1 && kWarpgroups == 1 && kBlockN <= 48;
 
-// The L2 combine's staging in shared memory (store_tile in sm90_w4a16_epilogue.cuh, both
+// The L2 combine's staging in shared memory (combine_staged in sm90_w4a16_epilogue.cuh, both
 // combines): per warpgroup,
 // kStagedColumns tokens of its 64 rows, kStagedStride floats apart. 68 (not 64) puts the scalar
 // stores of a warp's (4 tokens, 8 rows) on 32 distinct banks and keeps each token's rows 16-byte
@@ -54,13 +54,13 @@ struct W4a16SmemLayout {
   static constexpr int kBOffset = 0;
   static constexpr int kCodeOffset = kBOffset + kStages * kBTileBytes;
   static constexpr int kScaleOffset = kCodeOffset + kStages * kCodeStageBytes;
-  // The L2 combine's staging (store_tile): in the B stages, free once every warpgroup is past its
+  // The L2 combine's staging (combine_staged): in the B stages, free once every warpgroup is past its
   // last wgmma (a CTA barrier); the absorbing tile (four warpgroups), whose warpgroups run their
   // epilogues while others still compute (no CTA barrier between items), has its own.
   static constexpr bool kOwnStaging = kWarpgroups == 4;
   static constexpr int kStagingBytes = kWarpgroups * detail::kStagedColumns * detail::kStagedStride * 4;
   static constexpr int kStagingOffset = kOwnStaging ? kScaleOffset + kStages * kScaleStageBytes : kBOffset;
-  // The absorbing tile's slot table (store_tile): per item, its slots' tokens (int32) and routing
+  // The absorbing tile's slot table (combine_staged): per item, its slots' tokens (int32) and routing
   // weights (fp32), kBlockN each, in two buffers (items alternate).
   static constexpr int kSlotTableBufferBytes = kBlockN * 8;
   static constexpr int kSlotTableBytes = kOwnStaging ? 2 * kSlotTableBufferBytes : 0;
@@ -70,7 +70,7 @@ struct W4a16SmemLayout {
   static_assert(kBTileBytes % 1024 == 0,
                 "BLOCK_N must be a multiple of 8 so each B stage is whole 1024-byte swizzle atoms");
   static_assert(kOwnStaging || kStagingBytes <= kStages * kBTileBytes,
-                "the L2 combine's staging (store_tile) must fit in the B stages: add stages or tokens");
+                "the L2 combine's staging (combine_staged) must fit in the B stages: add stages or tokens");
 };
 
 namespace detail {
