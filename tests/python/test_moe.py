@@ -11,7 +11,10 @@ import nvfp4_oracle as oracle
 
 pytestmark = requires_hopper
 
-MAX_REL_L2 = 2e-3  # the C++ GPU tests' bound against the CPU reference
+# The C++ GPU tests' bound (tests/common/test_util.h): the output against the reference rounded to
+# bf16 once, as theirs is. Against the unrounded reference the output's own rounding alone has an
+# RMS of ~1.6e-3, and a tiny layer's few large elements took it past 2e-3 (seed 1076663564).
+MAX_REL_L2 = 2e-3
 
 
 def make_module(E, H, I, top_k, *, shared_i=0, scale_codes=(0x20, 0x48), method="softmax",
@@ -45,7 +48,7 @@ def check_accuracy(module, x, w, ids, seed, what=""):
     ref = oracle.moe_forward(x, layer_tensors(module), w, ids, module.swiglu_limit)
     assert out.dtype == torch.bfloat16 and out.shape == x.shape
     nans = int((~torch.isfinite(out)).sum())
-    err = oracle.rel_l2(out, ref)
+    err = oracle.rel_l2(out, ref.to(torch.bfloat16))
     detail = f"{what} seed={seed} rel_l2={err:.3g} nans={nans}; {module.describe(x.shape[0])}"
     assert nans == 0, detail
     assert err <= MAX_REL_L2, detail
@@ -126,7 +129,7 @@ def test_deepseek_like_routing_matches_oracle(seed):
     want_w, want_ids = oracle.route(logits, 4, "noaux_tc", True, 4, 2, 2.5,
                                     module.e_score_correction_bias)
     ref = oracle.moe_forward(x, layer_tensors(module), want_w, want_ids)
-    assert oracle.rel_l2(out, ref) <= MAX_REL_L2, f"seed {seed}"
+    assert oracle.rel_l2(out, ref.to(torch.bfloat16)) <= MAX_REL_L2, f"seed {seed}"
 
 
 def test_deterministic_is_bitwise_stable(seed):
@@ -223,7 +226,7 @@ def test_from_checkpoint_on_gpu_matches_oracle(tmp_path, seed):
     want_w, want_ids = oracle.route(logits, 3, "noaux_tc", True, 4, 2, 2.5,
                                     module.e_score_correction_bias)
     ref = oracle.moe_forward(x, layer_tensors(module), want_w, want_ids)
-    assert oracle.rel_l2(out, ref) <= MAX_REL_L2, f"seed {seed}"
+    assert oracle.rel_l2(out, ref.to(torch.bfloat16)) <= MAX_REL_L2, f"seed {seed}"
 
 
 # ---- bad inputs: every one raises a Python exception whose message says what is wrong
