@@ -178,7 +178,7 @@ void wgmma_rate(const char* name, int sms, const uint32_t* words, float* out, lo
 // items without their epilogue (section 4).
 template <int kWarpgroups, int kBlockN, int kStages, int kMinBlocks, bool kOverlapped, bool kEpilogue = true>
 __global__ void __launch_bounds__(kWarpgroups * 128, kMinBlocks)
-    mainloop_kernel(k90::W4a16L2Params p, int width, long long* cycles) {
+    mainloop_kernel(k90::W4a16GemmParams p, int width, long long* cycles) {
   uint8_t* smem = k90::detail::aligned_dynamic_smem();
   constexpr int kNTiles = 4;
   k90::detail::WorkItem w{};
@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kWarpgroups * 128, kMinBlocks)
 }
 
 struct MainloopBuffers {
-  k90::W4a16L2Params params{};  // weights, B rows, slots; k_splits and m_tiles set per run
+  k90::W4a16GemmParams params{};  // weights, B rows, slots; k_splits and m_tiles set per run
   long long* cycles = nullptr;
 };
 
@@ -219,7 +219,7 @@ void mainloop_rate(const char* name, int sms, int width, int k_total, int items,
   int per_sm = 0;
   check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kWarpgroups * 128, Smem::kAllocBytes), "occupancy");
   const int grid = sms * std::max(per_sm, 1);
-  k90::W4a16L2Params p = buf.params;
+  k90::W4a16GemmParams p = buf.params;
   p.m_tiles = grid / 4 * kWarpgroups;
   p.k_splits = items;
   p.k_chunks_per_split = p.k_chunks / items;
@@ -294,11 +294,11 @@ int main() {
   check(cudaMemcpy(s2, &one, 4, cudaMemcpyHostToDevice), "cudaMemcpy");
   check(cudaMemcpy(slot_token, tokens.data(), rows * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
   check(cudaMemcpy(slot_weight, weights.data(), rows * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
-  k90::W4a16L2Params& p = buf.params;
+  k90::W4a16GemmParams& p = buf.params;
   p.codes = codes;
   p.scales = scales;
   p.k_chunks = k_chunks;
-  p.s2_down = s2;
+  p.s2_a = s2;
   p.b_src = b_rows;
   p.b_ld = k_total;
   p.num_experts = 1;

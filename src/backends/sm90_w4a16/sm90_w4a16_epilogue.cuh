@@ -86,10 +86,10 @@ __device__ __forceinline__ __nv_bfloat16 swiglu_bf16(float gate_acc, float up_ac
 // L1, one warpgroup (the decode tiles): SwiGLU into act element by element (their items are
 // narrow; see add_weighted_direct).
 template <int kBlockN>
-__device__ __forceinline__ void swiglu_to_act_direct(const W4a16L1Params& p, const float (&acc)[kBlockN / 2],
+__device__ __forceinline__ void swiglu_to_act_direct(const W4a16GemmParams& p, const float (&acc)[kBlockN / 2],
                                                      const WorkItem& w, int m_tile, int warp, int g, int t) {
   using namespace w4a16;
-  const float s2_gate = p.s2_gate[w.expert] * kAccumulatorUnscale, s2_up = p.s2_up[w.expert] * kAccumulatorUnscale;
+  const float s2_gate = p.s2_a[w.expert] * kAccumulatorUnscale, s2_up = p.s2_b[w.expert] * kAccumulatorUnscale;
   const int64_t col_j = w13_intermediate_column(m_tile, warp * 16 + g);
   for_each_valid_column<kBlockN>(w, t, [&](int slot, int j_gate, int j_up) {
     p.act[static_cast<int64_t>(slot) * p.act_ld + col_j] =
@@ -105,11 +105,11 @@ __device__ __forceinline__ void swiglu_to_act_direct(const W4a16L1Params& p, con
 // writes token L's 16 bytes with one store. The warp's region (512 bytes) is its own: __syncwarp
 // orders it. kOwnStaging: the staging is not the B stages, so no CTA barrier before it.
 template <int kBlockN, bool kOwnStaging>
-__device__ __forceinline__ void swiglu_to_act_staged(const W4a16L1Params& p, const float (&acc)[kBlockN / 2],
+__device__ __forceinline__ void swiglu_to_act_staged(const W4a16GemmParams& p, const float (&acc)[kBlockN / 2],
                                                      const WorkItem& w, int m_tile, int warp, int g, int t,
                                                      uint8_t* staging_smem) {
   using namespace w4a16;
-  const float s2_gate = p.s2_gate[w.expert] * kAccumulatorUnscale, s2_up = p.s2_up[w.expert] * kAccumulatorUnscale;
+  const float s2_gate = p.s2_a[w.expert] * kAccumulatorUnscale, s2_up = p.s2_b[w.expert] * kAccumulatorUnscale;
   static_assert(kBlockN % kStagedColumns == 0, "the staged epilogue passes kStagedColumns tokens at a time");
   static_assert(kStagedColumns == 32, "one token per lane in a pass");
   static_assert(kStagedColumns * 8 * 2 * 4 <= kStagedColumns * kStagedStride * 4,
@@ -144,7 +144,7 @@ __device__ __forceinline__ void swiglu_to_act_staged(const W4a16L1Params& p, con
 // L2, one warpgroup, deterministic combine: y = acc * s2 stored per slot, element by element
 // (s2: the down scale times 2^8, as in swiglu_bf16; row0: this thread's first output row).
 template <int kBlockN>
-__device__ __forceinline__ void store_slots_direct(const W4a16L2Params& p, const float (&acc)[kBlockN / 2],
+__device__ __forceinline__ void store_slots_direct(const W4a16GemmParams& p, const float (&acc)[kBlockN / 2],
                                                    const WorkItem& w, int t, float s2, int64_t row0) {
   for_each_valid_column<kBlockN>(w, t, [&](int slot, int j0, int j1) {
     float* y = p.y_slot + static_cast<int64_t>(slot) * p.out_ld + row0;
@@ -162,7 +162,7 @@ __device__ __forceinline__ void store_slots_direct(const W4a16L2Params& p, const
 // alias slot_weight cannot move above it, so loading per column made one global-load round trip
 // per column in sequence (docs/perf/2026-11-21-h100-w4a16-v15.md).
 template <int kBlockN>
-__device__ __forceinline__ void add_weighted_direct(const W4a16L2Params& p, const float (&acc)[kBlockN / 2],
+__device__ __forceinline__ void add_weighted_direct(const W4a16GemmParams& p, const float (&acc)[kBlockN / 2],
                                                     const WorkItem& w, int t, float s2, int64_t row0) {
   constexpr int kColumns = kBlockN / 4;  // this thread's columns 8i + 2t + c: index 2i + c
   constexpr int kBatch = 16;
@@ -208,12 +208,12 @@ __device__ __forceinline__ void add_weighted_direct(const W4a16L2Params& p, cons
 // table_token, table_weight (kOwnStaging): the item's tokens and routing weights in shared
 // memory, indexed from w.slot_begin; the other tiles read them from p.
 template <int kBlockN, bool kOwnStaging>
-__device__ __forceinline__ void combine_staged(const W4a16L2Params& p, const float (&acc)[kBlockN / 2],
+__device__ __forceinline__ void combine_staged(const W4a16GemmParams& p, const float (&acc)[kBlockN / 2],
                                                const WorkItem& w, int m_tile, int warp, int g, int t,
                                                uint8_t* staging_smem, const int32_t* table_token,
                                                const float* table_weight) {
   using namespace w4a16;
-  const float s2 = p.s2_down[w.expert] * kAccumulatorUnscale;  // exact, see swiglu_bf16
+  const float s2 = p.s2_a[w.expert] * kAccumulatorUnscale;  // exact, see swiglu_bf16
   static_assert(kBlockN % kStagedColumns == 0, "the staged combine passes kStagedColumns tokens at a time");
   const int lane = threadIdx.x % 32;
   const int wg = threadIdx.x / kThreadsPerWarpgroup;
@@ -278,7 +278,7 @@ __device__ __forceinline__ void combine_staged(const W4a16L2Params& p, const flo
 // others (staging_smem: Smem::kStagingOffset; kOwnStaging, table_token, table_weight: see
 // combine_staged).
 template <bool kIsL1, int kWarpgroups, int kBlockN, bool kOwnStaging = false>
-__device__ __forceinline__ void store_tile(const W4a16GemmParams<kIsL1>& p, const float (&acc)[kBlockN / 2],
+__device__ __forceinline__ void store_tile(const W4a16GemmParams& p, const float (&acc)[kBlockN / 2],
                                            const WorkItem& w, int m_tile, int warp, int g, int t, uint8_t* staging_smem,
                                            const int32_t* table_token = nullptr, const float* table_weight = nullptr) {
   if constexpr (kIsL1 && kWarpgroups == 1) {
@@ -286,7 +286,7 @@ __device__ __forceinline__ void store_tile(const W4a16GemmParams<kIsL1>& p, cons
   } else if constexpr (kIsL1) {
     swiglu_to_act_staged<kBlockN, kOwnStaging>(p, acc, w, m_tile, warp, g, t, staging_smem);
   } else if constexpr (kWarpgroups == 1) {
-    const float s2 = p.s2_down[w.expert] * w4a16::kAccumulatorUnscale;  // exact, see swiglu_bf16
+    const float s2 = p.s2_a[w.expert] * w4a16::kAccumulatorUnscale;  // exact, see swiglu_bf16
     const int64_t row0 = static_cast<int64_t>(m_tile) * w4a16::kTileM + warp * 16 + g;
     if (p.y_slot != nullptr) {
       store_slots_direct<kBlockN>(p, acc, w, t, s2, row0);

@@ -54,7 +54,7 @@ namespace megamoe::kernels::sm90 {
 // kOverlapped: the items run the overlapped K loop (gemm_item_overlapped), else gemm_item's.
 template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, int kMinBlocksPerSm, bool kOverlapped>
 __global__ void __launch_bounds__(kWarpgroups * w4a16::kThreadsPerWarpgroup, kMinBlocksPerSm)
-w4a16_grouped_gemm_kernel(const W4a16GemmParams<kIsL1> p) {
+w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
   static_assert(!kOverlapped || kWarpgroups >= 2, "the overlapped K loop is built for the two- and four-warpgroup tiles");
   uint8_t* smem = detail::aligned_dynamic_smem();
   const int tid = threadIdx.x;

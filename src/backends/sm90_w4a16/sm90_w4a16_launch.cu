@@ -17,7 +17,7 @@ void for_each_tile(F&& f, std::integer_sequence<int, I...>) {
 }  // namespace
 
 template <bool kIsL1>
-void launch_w4a16_gemm(const GemmConfig& c, const kernels::sm90::W4a16GemmParams<kIsL1>& params, const GemmGrid& grid) {
+void launch_w4a16_gemm(const GemmConfig& c, const kernels::sm90::W4a16GemmParams& params, const GemmGrid& grid) {
   bool splits_allowed = c.k_splits == 1;
   if constexpr (!kIsL1) splits_allowed = splits_allowed || params.y_slot == nullptr;
   MEGAMOE_CHECK(c.k_splits >= 1 && splits_allowed, kInternal, "GEMM config ", c.to_string(),
@@ -31,8 +31,8 @@ void launch_w4a16_gemm(const GemmConfig& c, const kernels::sm90::W4a16GemmParams
       std::make_integer_sequence<int, kW4a16TileCount>{});
 }
 
-template void launch_w4a16_gemm<true>(const GemmConfig&, const kernels::sm90::W4a16L1Params&, const GemmGrid&);
-template void launch_w4a16_gemm<false>(const GemmConfig&, const kernels::sm90::W4a16L2Params&, const GemmGrid&);
+template void launch_w4a16_gemm<true>(const GemmConfig&, const kernels::sm90::W4a16GemmParams&, const GemmGrid&);
+template void launch_w4a16_gemm<false>(const GemmConfig&, const kernels::sm90::W4a16GemmParams&, const GemmGrid&);
 
 void launch_w4a16_fused(const MoeConfig& c, const kernels::sm90::W4a16FusedParams& params, const GemmGrid& grid) {
   const int tile = find_w4a16_tile(c.l1);

@@ -14,7 +14,7 @@
 namespace megamoe::runtime {
 
 template <int kTile, bool kIsL1>
-void launch_w4a16_tile(const kernels::sm90::W4a16GemmParams<kIsL1>& params, const GemmGrid& grid) {
+void launch_w4a16_tile(const kernels::sm90::W4a16GemmParams& params, const GemmGrid& grid) {
   namespace k90 = kernels::sm90;
   constexpr W4a16TileEntry kEntry = kW4a16Tiles[kTile];
   constexpr GemmConfig kT = kEntry.config;
@@ -51,7 +51,7 @@ void launch_w4a16_fused_tile(const kernels::sm90::W4a16FusedParams& params, cons
 // The explicit instantiations of one table entry's kernels (one per translation unit).
 #define MEGAMOE_W4A16_GEMM_INSTANCE(kTile, kIsL1)                                                    \
   template void megamoe::runtime::launch_w4a16_tile<megamoe::kTile, kIsL1>(                           \
-      const megamoe::kernels::sm90::W4a16GemmParams<kIsL1>&, const megamoe::runtime::GemmGrid&);
+      const megamoe::kernels::sm90::W4a16GemmParams&, const megamoe::runtime::GemmGrid&);
 #define MEGAMOE_W4A16_FUSED_INSTANCE(kTile)                                                           \
   template void megamoe::runtime::launch_w4a16_fused_tile<megamoe::kTile>(                            \
       const megamoe::kernels::sm90::W4a16FusedParams&, const megamoe::runtime::GemmGrid&);

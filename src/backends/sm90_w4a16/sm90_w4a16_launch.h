@@ -22,7 +22,7 @@ struct GemmGrid {
 // One GEMM (L1 when kIsL1, else L2) on the tile of `c`. Throws megamoe::Error(kInternal) where no
 // kernel is instantiated for it (the heuristic only picks table entries).
 template <bool kIsL1>
-void launch_w4a16_gemm(const GemmConfig& c, const kernels::sm90::W4a16GemmParams<kIsL1>& params, const GemmGrid& grid);
+void launch_w4a16_gemm(const GemmConfig& c, const kernels::sm90::W4a16GemmParams& params, const GemmGrid& grid);
 
 // The fused L1 + L2 launch on a fusable tile (MoeConfig::can_fuse).
 void launch_w4a16_fused(const MoeConfig& c, const kernels::sm90::W4a16FusedParams& params, const GemmGrid& grid);
@@ -30,7 +30,7 @@ void launch_w4a16_fused(const MoeConfig& c, const kernels::sm90::W4a16FusedParam
 // The kernels of table entry kTile (defined in sm90_w4a16_launch.cuh, instantiated under
 // instantiations/).
 template <int kTile, bool kIsL1>
-void launch_w4a16_tile(const kernels::sm90::W4a16GemmParams<kIsL1>& params, const GemmGrid& grid);
+void launch_w4a16_tile(const kernels::sm90::W4a16GemmParams& params, const GemmGrid& grid);
 template <int kTile>
 void launch_w4a16_fused_tile(const kernels::sm90::W4a16FusedParams& params, const GemmGrid& grid);
 

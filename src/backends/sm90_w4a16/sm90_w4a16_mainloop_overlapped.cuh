@@ -254,7 +254,7 @@ struct NoHook {
 // overlapped_k_loop.
 template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, bool kEpilogue = true, class AfterMainloop,
           class AfterFirstCopies = NoHook>
-__device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams<kIsL1>& p, const WorkItem& w, uint8_t* smem,
+__device__ __forceinline__ void gemm_item_overlapped(const W4a16GemmParams& p, const WorkItem& w, uint8_t* smem,
                                                      StageBarriers& bars, AfterMainloop&& after_mainloop,
                                                      AfterFirstCopies after_first_copies = {}) {
   using namespace w4a16;

@@ -176,7 +176,7 @@ __device__ __forceinline__ void pipelined_k_loop(int n, WeightStreams& ws, BPiec
 // thread; the schedulers claim their next item there), then the epilogue. The caller's barrier
 // after it hands the shared-memory stages to the next item.
 template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, class AfterMainloop>
-__device__ __forceinline__ void gemm_item(const W4a16GemmParams<kIsL1>& p, const WorkItem& w, uint8_t* smem,
+__device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkItem& w, uint8_t* smem,
                                           AfterMainloop&& after_mainloop) {
   using namespace w4a16;
   using Smem = W4a16SmemLayout<kWarpgroups, kBlockN, kStages>;

@@ -19,7 +19,7 @@ namespace detail {
 // its shared-memory destination in stage 0 (piece c of row r lands at c ^ (r % 8): 128-byte
 // swizzle), and whether the row holds a slot of the item (otherwise the copy zero-fills).
 template <bool kIsL1, class Smem>
-__device__ __forceinline__ void b_piece(const W4a16GemmCommon& p, const WorkItem& w, int k_begin, uint32_t smem_u32,
+__device__ __forceinline__ void b_piece(const W4a16GemmParams& p, const WorkItem& w, int k_begin, uint32_t smem_u32,
                                         int i, const char*& src, uint32_t& dst, bool& valid) {
   const int r = i / 8, c = i % 8;
   const int slot = w.slot_begin + r;
@@ -38,7 +38,7 @@ struct BPieces {
   bool valid[kPieces];
 };
 template <bool kIsL1, class Smem, int kPieces, int kThreads>
-__device__ __forceinline__ BPieces<kPieces> b_pieces(const W4a16GemmCommon& p, const WorkItem& w, int k_begin,
+__device__ __forceinline__ BPieces<kPieces> b_pieces(const W4a16GemmParams& p, const WorkItem& w, int k_begin,
                                                      uint32_t smem_u32, int tid) {
   BPieces<kPieces> b;
   #pragma unroll
@@ -59,7 +59,7 @@ struct WeightStreams {
   bool copies_scales;
 };
 template <class Smem>
-__device__ __forceinline__ WeightStreams weight_streams(const W4a16GemmCommon& p, int expert, int64_t a_tile0,
+__device__ __forceinline__ WeightStreams weight_streams(const W4a16GemmParams& p, int expert, int64_t a_tile0,
                                                         uint8_t* smem, int wg, int wtid, int code_bias) {
   using namespace w4a16;
   const int warp = wtid / 32, g = wtid % 32 / 4;

@@ -45,7 +45,7 @@ int32_t guess_n_tiles(const PipelineRun& r, const GemmConfig& c) {
 
 // What both GEMMs read of the dispatch: the experts' slot ranges and the slots' tokens and
 // routing weights.
-void set_slots(k90::W4a16GemmCommon& g, const PipelineRun& r, const k90::DispatchParams& d) {
+void set_slots(k90::W4a16GemmParams& g, const PipelineRun& r, const k90::DispatchParams& d) {
   g.expert_offsets = d.expert_offsets;
   g.num_experts = static_cast<int32_t>(r.virtual_experts);
   g.num_routed = d.num_experts;
@@ -54,11 +54,11 @@ void set_slots(k90::W4a16GemmCommon& g, const PipelineRun& r, const k90::Dispatc
 }
 
 // L1: x · W13ᵀ gathered by slot, SwiGLU into act; zeroes the combine accumulator for L2.
-k90::W4a16L1Params l1_params(const PipelineRun& r, const MoeConfig& cfg, const Sm90PrepackedWeights& w,
+k90::W4a16GemmParams l1_params(const PipelineRun& r, const MoeConfig& cfg, const Sm90PrepackedWeights& w,
                              const k90::DispatchParams& d) {
   const MoeProblem& p = r.problem;
   void* ws = r.args.workspace;
-  k90::W4a16L1Params g{};
+  k90::W4a16GemmParams g{};
   g.codes = w.w13_codes;
   g.scales = w.w13_scales;
   g.code_expert_stride = w.w13_code_stride;
@@ -74,8 +74,8 @@ k90::W4a16L1Params l1_params(const PipelineRun& r, const MoeConfig& cfg, const S
   set_slots(g, r, d);
   // Early start knows its first L1 items exactly: no guess.
   g.guess_n_tiles = cfg.early_start ? 0 : guess_n_tiles(r, cfg.l1);
-  g.s2_gate = w.s2;
-  g.s2_up = w.s2 + r.virtual_experts;
+  g.s2_a = w.s2;
+  g.s2_b = w.s2 + r.virtual_experts;
   g.act = workspace_at<__nv_bfloat16>(ws, r.layout.act);
   g.act_ld = p.intermediate_size;
   g.swiglu_limit = p.swiglu_limit ? *p.swiglu_limit : std::numeric_limits<float>::infinity();
@@ -90,11 +90,11 @@ k90::W4a16L1Params l1_params(const PipelineRun& r, const MoeConfig& cfg, const S
 
 // L2: act · W2ᵀ, scaled by the routing weight, added into the combine accumulator (or stored per
 // slot for the deterministic combine).
-k90::W4a16L2Params l2_params(const PipelineRun& r, const MoeConfig& cfg, const Sm90PrepackedWeights& w,
+k90::W4a16GemmParams l2_params(const PipelineRun& r, const MoeConfig& cfg, const Sm90PrepackedWeights& w,
                              const k90::DispatchParams& d) {
   const MoeProblem& p = r.problem;
   void* ws = r.args.workspace;
-  k90::W4a16L2Params g{};
+  k90::W4a16GemmParams g{};
   g.codes = w.w2_codes;
   g.scales = w.w2_scales;
   g.code_expert_stride = w.w2_code_stride;
@@ -109,7 +109,7 @@ k90::W4a16L2Params l2_params(const PipelineRun& r, const MoeConfig& cfg, const S
   g.work_counter = d.counters + kL2WorkCounter;
   set_slots(g, r, d);
   g.guess_n_tiles = guess_n_tiles(r, cfg.l2);
-  g.s2_down = w.s2 + 2 * r.virtual_experts;
+  g.s2_a = w.s2 + 2 * r.virtual_experts;
   g.out_acc = p.deterministic ? nullptr : workspace_at<float>(ws, r.layout.out_acc);
   g.y_slot = p.deterministic ? workspace_at<float>(ws, r.layout.y_slot) : nullptr;
   g.out_ld = p.hidden_size;
@@ -127,8 +127,8 @@ void run_sm90_w4a16(const MoePlan& plan, const Sm90PrepackedWeights& w, const Mo
   const k90::DispatchParams d = dispatch_params(r, schedule_of(cfg.l1), schedule_of(cfg.l2));
   launch_dispatch(d, r.tokens * p.top_k, stream);
 
-  const k90::W4a16L1Params g1 = l1_params(r, cfg, w, d);
-  const k90::W4a16L2Params g2 = l2_params(r, cfg, w, d);
+  const k90::W4a16GemmParams g1 = l1_params(r, cfg, w, d);
+  const k90::W4a16GemmParams g2 = l2_params(r, cfg, w, d);
   const int64_t l1_work = max_work_items(r, cfg.l1, d.l1_m_tiles), l2_work = max_work_items(r, cfg.l2, d.l2_m_tiles);
   if (cfg.fused) {
     k90::W4a16FusedParams f{};

@@ -28,7 +28,7 @@ struct WorkItem {
 // Splits an expert's work index, ((m_block * k_splits) + k_split) * n_tiles + n_tile, into w's
 // m-block and k-slice; returns the n-tile. Consecutive work items share an m-block (the same
 // weights) across n-tiles, so CTAs that run together hit the same weight bytes in the L2 cache.
-__device__ __forceinline__ int split_expert_work(const W4a16GemmCommon& p, int local, int n_tiles, WorkItem& w) {
+__device__ __forceinline__ int split_expert_work(const W4a16GemmParams& p, int local, int n_tiles, WorkItem& w) {
   w.k_split = (local / n_tiles) % p.k_splits;
   w.m_block = local / n_tiles / p.k_splits;
   return local % n_tiles;
@@ -42,7 +42,7 @@ __device__ __forceinline__ int split_expert_work(const W4a16GemmCommon& p, int l
 // exposed latency (docs/perf/2026-11-22-h100-w4a16-v22.md). `total` only picks where the search
 // starts (any value is correct; <= 0: a binary search over all experts).
 template <int kBlockN>
-__device__ __forceinline__ WorkItem decode_work(const W4a16GemmCommon& p, int work, int total) {
+__device__ __forceinline__ WorkItem decode_work(const W4a16GemmParams& p, int work, int total) {
   const int num_experts = p.num_experts;
   int expert = -1, item0 = 0, slot0 = 0, slot1 = 0;
   int lo = 0, hi = num_experts;
@@ -102,7 +102,7 @@ __device__ __forceinline__ WorkItem decode_work(const W4a16GemmCommon& p, int wo
 struct ItemChunks {
   int k_begin, chunks;
 };
-__device__ __forceinline__ ItemChunks item_chunks(const W4a16GemmCommon& p, const WorkItem& w) {
+__device__ __forceinline__ ItemChunks item_chunks(const W4a16GemmParams& p, const WorkItem& w) {
   const int k_begin = w.k_split * p.k_chunks_per_split;
   return {k_begin, min(p.k_chunks_per_split, p.k_chunks - k_begin)};
 }
@@ -120,7 +120,7 @@ __device__ __forceinline__ int claim_work(int32_t* counter) {
 // Prefetches the codes and scales of a work item's first kChunks K chunks into the L2 cache:
 // both are contiguous along K per 64-row tile (sm90_w4a16_layout.h).
 template <int kWarpgroups, int kChunks>
-__device__ __forceinline__ void prefetch_item_weights(const W4a16GemmCommon& p, const WorkItem& w) {
+__device__ __forceinline__ void prefetch_item_weights(const W4a16GemmParams& p, const WorkItem& w) {
   using namespace w4a16;
   const auto [k_begin, item_n] = item_chunks(p, w);
   const int n = min(kChunks, item_n);
@@ -143,7 +143,7 @@ __device__ __forceinline__ void prefetch_item_weights(const W4a16GemmCommon& p, 
 // groups (docs/perf/2026-11-21-h100-w4a16-v12.md); compare tests/sass/check_sass.sh's counts
 // before and after changing it.
 template <int kWarpgroups, int kBlockN, int kStages>
-__device__ __forceinline__ void prefetch_guessed_item(const W4a16GemmCommon& p, int work) {
+__device__ __forceinline__ void prefetch_guessed_item(const W4a16GemmParams& p, int work) {
   const int n_tiles = p.guess_n_tiles;
   if (n_tiles <= 0) return;
   const int per_expert = p.m_tiles / kWarpgroups * p.k_splits * n_tiles;
@@ -165,7 +165,7 @@ struct EarlyStart {
 
 // Whether a one-GEMM launch starts early: an L1 tile that may (kMayStartEarly) given the top-k ids.
 template <bool kIsL1, int kWarpgroups, int kBlockN>
-__device__ __forceinline__ bool starts_early(const W4a16GemmParams<kIsL1>& p) {
+__device__ __forceinline__ bool starts_early(const W4a16GemmParams& p) {
   if constexpr (kMayStartEarly<kIsL1, kWarpgroups, kBlockN>) {
     return p.topk_ids != nullptr;
   } else {
@@ -181,7 +181,7 @@ __device__ __forceinline__ bool starts_early(const W4a16GemmParams<kIsL1>& p) {
 // ptxas build the L1 mainloop's wgmma descriptors in ordinary instead of uniform registers,
 // which grows every K group: docs/perf/2026-11-21-h100-w4a16-v9.md; tests/sass/check_sass.sh.)
 template <int kWarpgroups, int kBlockN>
-__device__ __forceinline__ void early_schedule(const W4a16L1Params& l1, int l2_m_tiles, int l2_k_splits,
+__device__ __forceinline__ void early_schedule(const W4a16GemmParams& l1, int l2_m_tiles, int l2_k_splits,
                                                EarlyStart& es) {
   const int lane = threadIdx.x % 32;
   const int selections = l1.tokens * l1.top_k, T = l1.tokens, chunks = l1.shared_chunks;
