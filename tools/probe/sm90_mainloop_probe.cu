@@ -298,7 +298,7 @@ int main() {
   p.codes = codes;
   p.scales = scales;
   p.k_chunks = k_chunks;
-  p.s2_a = s2;
+  p.s2_down = s2;
   p.b_src = b_rows;
   p.b_ld = k_total;
   p.num_experts = 1;

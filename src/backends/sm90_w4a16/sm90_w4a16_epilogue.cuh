@@ -89,7 +89,7 @@ template <int kBlockN>
 __device__ __forceinline__ void swiglu_to_act_direct(const W4a16GemmParams& p, const float (&acc)[kBlockN / 2],
                                                      const WorkItem& w, int m_tile, int warp, int g, int t) {
   using namespace w4a16;
-  const float s2_gate = p.s2_a[w.expert] * kAccumulatorUnscale, s2_up = p.s2_b[w.expert] * kAccumulatorUnscale;
+  const float s2_gate = p.s2_gate[w.expert] * kAccumulatorUnscale, s2_up = p.s2_up[w.expert] * kAccumulatorUnscale;
   const int64_t col_j = w13_intermediate_column(m_tile, warp * 16 + g);
   for_each_valid_column<kBlockN>(w, t, [&](int slot, int j_gate, int j_up) {
     p.act[static_cast<int64_t>(slot) * p.act_ld + col_j] =
@@ -109,7 +109,7 @@ __device__ __forceinline__ void swiglu_to_act_staged(const W4a16GemmParams& p, c
                                                      const WorkItem& w, int m_tile, int warp, int g, int t,
                                                      uint8_t* staging_smem) {
   using namespace w4a16;
-  const float s2_gate = p.s2_a[w.expert] * kAccumulatorUnscale, s2_up = p.s2_b[w.expert] * kAccumulatorUnscale;
+  const float s2_gate = p.s2_gate[w.expert] * kAccumulatorUnscale, s2_up = p.s2_up[w.expert] * kAccumulatorUnscale;
   static_assert(kBlockN % kStagedColumns == 0, "the staged epilogue passes kStagedColumns tokens at a time");
   static_assert(kStagedColumns == 32, "one token per lane in a pass");
   static_assert(kStagedColumns * 8 * 2 * 4 <= kStagedColumns * kStagedStride * 4,
@@ -213,7 +213,7 @@ __device__ __forceinline__ void combine_staged(const W4a16GemmParams& p, const f
                                                uint8_t* staging_smem, const int32_t* table_token,
                                                const float* table_weight) {
   using namespace w4a16;
-  const float s2 = p.s2_a[w.expert] * kAccumulatorUnscale;  // exact, see swiglu_bf16
+  const float s2 = p.s2_down[w.expert] * kAccumulatorUnscale;  // exact, see swiglu_bf16
   static_assert(kBlockN % kStagedColumns == 0, "the staged combine passes kStagedColumns tokens at a time");
   const int lane = threadIdx.x % 32;
   const int wg = threadIdx.x / kThreadsPerWarpgroup;
@@ -286,7 +286,7 @@ __device__ __forceinline__ void store_tile(const W4a16GemmParams& p, const float
   } else if constexpr (kIsL1) {
     swiglu_to_act_staged<kBlockN, kOwnStaging>(p, acc, w, m_tile, warp, g, t, staging_smem);
   } else if constexpr (kWarpgroups == 1) {
-    const float s2 = p.s2_a[w.expert] * w4a16::kAccumulatorUnscale;  // exact, see swiglu_bf16
+    const float s2 = p.s2_down[w.expert] * w4a16::kAccumulatorUnscale;  // exact, see swiglu_bf16
     const int64_t row0 = static_cast<int64_t>(m_tile) * w4a16::kTileM + warp * 16 + g;
     if (p.y_slot != nullptr) {
       store_slots_direct<kBlockN>(p, acc, w, t, s2, row0);

@@ -9,7 +9,7 @@
 
 namespace megamoe::kernels::sm90 {
 
-// One layout for both GEMMs, fields named by what each GEMM reads: the kernels' parameter offsets
+// One layout for both GEMMs, each field named for what the GEMM that reads it means by it: the kernels' parameter offsets
 // are part of their speed (a per-GEMM split with identical instructions ran the fused decode
 // launch slower: docs/perf/2026-11-29-h200-w4a16-v30.md §2).
 struct W4a16GemmParams {
@@ -22,8 +22,13 @@ struct W4a16GemmParams {
   int32_t k_chunks;   // 64-wide K chunks (K / 64)
   int32_t k_splits;   // K slices per tile, each added into the output (L2 atomic mode only)
   int32_t k_chunks_per_split;
-  const float* s2_a;  // per expert: L1 gate global scale; L2 down global scale
-  const float* s2_b;  // per expert: L1 up global scale (unused in L2)
+  // Per expert, the global scales of the rows this GEMM multiplies: L1 reads gate and up, L2 down
+  // (in gate's place: the layout stays one for both GEMMs).
+  union {
+    const float* s2_gate;  // L1
+    const float* s2_down;  // L2
+  };
+  const float* s2_up;      // L1
   // B operand source rows: L1 gathers hidden[slot_token[slot]], L2 reads act[slot].
   const __nv_bfloat16* b_src;
   int64_t b_ld;       // elements per row (= K)

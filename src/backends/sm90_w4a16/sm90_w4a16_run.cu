@@ -74,8 +74,8 @@ k90::W4a16GemmParams l1_params(const PipelineRun& r, const MoeConfig& cfg, const
   set_slots(g, r, d);
   // Early start knows its first L1 items exactly: no guess.
   g.guess_n_tiles = cfg.early_start ? 0 : guess_n_tiles(r, cfg.l1);
-  g.s2_a = w.s2;
-  g.s2_b = w.s2 + r.virtual_experts;
+  g.s2_gate = w.s2;
+  g.s2_up = w.s2 + r.virtual_experts;
   g.act = workspace_at<__nv_bfloat16>(ws, r.layout.act);
   g.act_ld = p.intermediate_size;
   g.swiglu_limit = p.swiglu_limit ? *p.swiglu_limit : std::numeric_limits<float>::infinity();
@@ -109,7 +109,7 @@ k90::W4a16GemmParams l2_params(const PipelineRun& r, const MoeConfig& cfg, const
   g.work_counter = d.counters + kL2WorkCounter;
   set_slots(g, r, d);
   g.guess_n_tiles = guess_n_tiles(r, cfg.l2);
-  g.s2_a = w.s2 + 2 * r.virtual_experts;
+  g.s2_down = w.s2 + 2 * r.virtual_experts;
   g.out_acc = p.deterministic ? nullptr : workspace_at<float>(ws, r.layout.out_acc);
   g.y_slot = p.deterministic ? workspace_at<float>(ws, r.layout.y_slot) : nullptr;
   g.out_ld = p.hidden_size;
