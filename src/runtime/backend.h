@@ -79,9 +79,11 @@ std::string built_backends();
 // megamoe::Error(kUnsupported) naming the built rows where there is none.
 const MoeBackend& weights_backend(Arch arch);
 
-// The rows a plan for `problem` on `arch` may use, validated (MoePlan::create; no device needed).
-// Throws megamoe::Error(kUnsupported) naming the built rows where none serves the request.
-std::vector<const MoeBackend*> resolve_backends(const MoeProblem& problem, Arch arch);
+// The rows a plan for `problem` (validate_problem_common passed) on `arch` may use, each row's
+// validation passed (MoePlan::create; no device needed). Throws megamoe::Error(kUnsupported)
+// naming `device` (default: the arch) and the built rows where none serves the request.
+std::vector<const MoeBackend*> resolve_backends(const MoeProblem& problem, Arch arch,
+                                                const std::string& device = {});
 
 // Problem checks that hold for every row (top_k, max_tokens, swiglu_limit, precision).
 void validate_problem_common(const MoeProblem& problem);

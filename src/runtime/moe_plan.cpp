@@ -37,8 +37,7 @@ void validate_problem_common(const MoeProblem& p) {
                 ", which is not a Precision; allowed: kW4a16, kW4a8, kAuto");
 }
 
-std::vector<const MoeBackend*> resolve_backends(const MoeProblem& p, Arch arch) {
-  validate_problem_common(p);
+std::vector<const MoeBackend*> resolve_backends(const MoeProblem& p, Arch arch, const std::string& device) {
   std::vector<const MoeBackend*> rows;
   for (const MoeBackend* row : backend_table()) {
     if (row->arch() == arch && (p.precision == Precision::kAuto || row->precision() == p.precision)) {
@@ -47,7 +46,7 @@ std::vector<const MoeBackend*> resolve_backends(const MoeProblem& p, Arch arch) 
   }
   if (rows.empty()) {
     const bool arch_built = find_backend(arch, Precision::kW4a16) != nullptr;
-    MEGAMOE_CHECK(arch_built, kUnsupported, "MoePlan: ", arch_name(arch),
+    MEGAMOE_CHECK(arch_built, kUnsupported, "MoePlan: ", device.empty() ? arch_name(arch) : device,
                   " is not supported: this build has kernels for ", built_backends());
     std::string upper = precision_name(p.precision);
     for (char& c : upper) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
@@ -74,11 +73,10 @@ MoePlan MoePlan::create(const MoeProblem& problem, const MoeTuning& tuning) {
   // The problem first: a bad shape is reported the same on any device.
   runtime::validate_problem_common(problem);
   const runtime::DeviceInfo device = runtime::current_device();
-  MEGAMOE_CHECK(runtime::find_backend(device.arch, Precision::kW4a16) != nullptr, kUnsupported,
-                "MoePlan: device ", device.device, " (", device.name, ", ", runtime::arch_name(device.arch),
-                ") is not supported; this build has kernels for ", runtime::built_backends());
   MoePlan plan;
-  plan.backends_ = runtime::resolve_backends(problem, device.arch);
+  plan.backends_ = runtime::resolve_backends(problem, device.arch,
+                                             detail::concat("device ", device.device, " (", device.name, ", ",
+                                                            runtime::arch_name(device.arch), ")"));
   plan.problem_ = problem;
   plan.tuning_ = tuning;
   plan.num_sms_ = device.num_sms;

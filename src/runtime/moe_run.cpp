@@ -1,4 +1,6 @@
 // run() (arch-neutral): the argument checks every row shares, then the plan's row for this T.
+#include <string_view>
+
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
 #include "runtime/backend.h"
@@ -37,7 +39,7 @@ void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs&
   check_run_args(plan, w, args);
   if (args.tokens == 0) return;
   const runtime::MoeBackend& row = runtime::PlanAccess::backend(plan, args.tokens);
-  MEGAMOE_CHECK(w.data != nullptr && std::string(w.data->layout()) == row.weight_layout(), kInvalidArgument,
+  MEGAMOE_CHECK(w.data != nullptr && std::string_view(w.data->layout()) == row.weight_layout(), kInvalidArgument,
                 "run: the weights were prepared in layout ", w.data ? w.data->layout() : "(none: moved from)",
                 " for ", runtime::arch_name(w.arch), "; this plan's kernels (", row.name(), ") read ",
                 row.weight_layout());

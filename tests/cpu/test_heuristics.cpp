@@ -283,10 +283,12 @@ TEST(BackendTable, PrecisionResolvesToTheBuiltRows) {
                          "no W4A8 GPU kernel", "built: w4a16/sm_90", "exact path",
                          "megamoe reference --precision w4a8");
     EXPECT_MEGAMOE_ERROR(runtime::resolve_backends(exact, 80), kUnsupported, "sm_80", "w4a16/sm_90");
+    EXPECT_MEGAMOE_ERROR(runtime::resolve_backends(exact, 80, "device 3 (A100, sm_80)"), kUnsupported,
+                         "device 3 (A100, sm_80) is not supported", "w4a16/sm_90");
   }
   MoeProblem cast = deepseek_v3();
   cast.precision = static_cast<Precision>(7);
-  EXPECT_MEGAMOE_ERROR(runtime::resolve_backends(cast, 90), kInvalidArgument, "precision", "7", "kW4a16");
+  EXPECT_MEGAMOE_ERROR(runtime::validate_problem_common(cast), kInvalidArgument, "precision", "7", "kW4a16");
 }
 
 // The row's validation is the sm90 pipeline's, after the checks every row shares.
@@ -298,7 +300,7 @@ TEST(BackendTable, RowValidatesTheSm90Limits) {
   EXPECT_MEGAMOE_ERROR(row.validate(p), kUnsupported, "hidden_size = 7200", "multiple of 64");
   p = deepseek_v3();
   p.top_k = 17;
-  EXPECT_MEGAMOE_ERROR(runtime::resolve_backends(p, 90), kInvalidArgument, "top_k = 17");
+  EXPECT_MEGAMOE_ERROR(runtime::validate_problem_common(p), kInvalidArgument, "top_k = 17");
   EXPECT_GT(row.workspace_bytes(deepseek_v3()), 0u);
 }
 

@@ -3,7 +3,6 @@
 #include "backends/sm90_w4a16/sm90_w4a16_heuristics.h"
 #include "backends/sm90_w4a16/sm90_w4a16_run.h"
 #include "backends/sm90_w4a16/sm90_w4a16_weights.h"
-#include "megamoe/status.h"
 #include "runtime/backend.h"
 #include "runtime/sm90/sm90_moe_workspace.h"
 
@@ -27,9 +26,8 @@ class Sm90W4a16Backend final : public MoeBackend {
   }
   void run(const MoePlan& plan, const BackendWeights& weights, const MoeRunArgs& args,
            cudaStream_t stream) const override {
-    const auto* w = dynamic_cast<const Sm90PrepackedWeights*>(&weights);
-    MEGAMOE_CHECK(w != nullptr, kInternal, "run: ", name(), " was given weights in layout ", weights.layout());
-    run_sm90_w4a16(plan, *w, args, stream);
+    // run() has checked that the weights are in weight_layout(), which only this type carries.
+    run_sm90_w4a16(plan, static_cast<const Sm90PrepackedWeights&>(weights), args, stream);
   }
   int64_t invalid_id_count(const MoePlan& plan, const void* workspace, cudaStream_t stream) const override {
     return read_invalid_id_count(plan.problem(), workspace, stream);

@@ -55,7 +55,7 @@ void set_slots(k90::W4a16GemmParams& g, const PipelineRun& r, const k90::Dispatc
 
 // L1: x · W13ᵀ gathered by slot, SwiGLU into act; zeroes the combine accumulator for L2.
 k90::W4a16GemmParams l1_params(const PipelineRun& r, const MoeConfig& cfg, const Sm90PrepackedWeights& w,
-                             const k90::DispatchParams& d) {
+                               const k90::DispatchParams& d) {
   const MoeProblem& p = r.problem;
   void* ws = r.args.workspace;
   k90::W4a16GemmParams g{};
@@ -91,7 +91,7 @@ k90::W4a16GemmParams l1_params(const PipelineRun& r, const MoeConfig& cfg, const
 // L2: act · W2ᵀ, scaled by the routing weight, added into the combine accumulator (or stored per
 // slot for the deterministic combine).
 k90::W4a16GemmParams l2_params(const PipelineRun& r, const MoeConfig& cfg, const Sm90PrepackedWeights& w,
-                             const k90::DispatchParams& d) {
+                               const k90::DispatchParams& d) {
   const MoeProblem& p = r.problem;
   void* ws = r.args.workspace;
   k90::W4a16GemmParams g{};
