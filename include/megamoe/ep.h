@@ -23,6 +23,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -31,6 +32,10 @@
 #include "megamoe/runtime.h"
 
 namespace megamoe {
+
+namespace ep {
+class EpTransport;
+}  // namespace ep
 
 // The 128 bytes that name an NCCL communicator: made once (EpUniqueId::create on one process) and
 // handed to every rank (as hex on a command line, or through the engine's own process group).
@@ -66,6 +71,35 @@ EpExpertRange ep_expert_range(int64_t num_experts, int world_size, int rank);
 // only the rank's experts are ever read). num_experts becomes the range's count.
 MoeLayer ep_local_layer(const MoeLayer& layer, const EpExpertRange& range);
 
+// R virtual ranks of the expert-parallel layer on one GPU, for tests and debugging where fewer
+// GPUs are at hand. Each rank gets its own share of the SMs (a CUDA green context: its kernels
+// never run on another rank's SMs, so its fused kernel's grid is resident and its spin-waits
+// cannot starve a peer) and a stream on them; the ranks' windows are plain device buffers of the
+// GPU. The layers run the same device code as over NCCL, so the outputs equal those of R GPUs
+// for the same routing; the timings are of SM partitions of one GPU, not of R GPUs.
+// One thread drives every rank: create each rank's layer (create() does not wait for the other
+// ranks), then call each rank's run() on stream(rank). Shared by copies; the streams, contexts
+// and windows live until the last copy and the last layer made with it are destroyed.
+class EpLoopback {
+ public:
+  // Splits `device`'s SMs into world_size equal groups (whole multiples of the split's
+  // granularity, 8 SMs on sm_90; the remainder idles). Throws megamoe::Error: kInvalidArgument (a
+  // world size outside 1..8 or a device that does not exist), kUnsupported (a driver without
+  // green contexts, or too few SMs for world_size groups), kCuda.
+  static EpLoopback create(int world_size, int device = 0);
+  int world_size() const;
+  int device() const;
+  int sms_per_rank() const;
+  // Rank r's stream: its work runs on rank r's SMs only. Throws kInvalidArgument for a bad rank.
+  cudaStream_t stream(int rank) const;
+
+  struct Impl;
+
+ private:
+  friend struct EpLoopbackAccess;
+  std::shared_ptr<Impl> impl_;
+};
+
 // One rank of an expert-parallel MoE layer: its communicator, its symmetric buffers, its experts'
 // prepacked weights and every workspace, all made at create() (collective: every rank calls it,
 // with the same id and problem). Not copyable; destroy it on every rank.
@@ -77,6 +111,11 @@ class MoeEpLayer {
   // without symmetric memory between these GPUs (kUnsupported), or a CUDA/NCCL failure (kCuda).
   static MoeEpLayer create(const MoeLayer& local_layer, int64_t num_experts, const EpConfig& config,
                            const EpUniqueId& id, bool deterministic = false);
+  // Rank config.rank of `loopback`'s virtual ranks (config.world_size and config.device must be
+  // the loopback's); its plans size their grids by loopback.sms_per_rank(). run() must then be
+  // given loopback.stream(config.rank). With world size 1 the layer is the single-GPU layer.
+  static MoeEpLayer create(const MoeLayer& local_layer, int64_t num_experts, const EpConfig& config,
+                           const EpLoopback& loopback, bool deterministic = false);
   MoeEpLayer(MoeEpLayer&&) noexcept;
   MoeEpLayer& operator=(MoeEpLayer&&) noexcept;
   ~MoeEpLayer();
@@ -91,6 +130,13 @@ class MoeEpLayer {
   // args.tokens may be 0 and may differ between ranks, up to max_tokens_per_rank. Every rank must
   // call run() the same number of times. Launches only: no allocation, no host synchronisation.
   void run(const MoeRunArgs& args, cudaStream_t stream);
+  // The same, recording `stages` on `stream` between the stages, for benchmarks (eager runs, not
+  // graph capture): the exchange's share of a run is start→dispatched, computed→returned and
+  // returned→done (each includes the wait for the slowest peer).
+  struct StageEvents {
+    cudaEvent_t start, dispatched, computed, returned, done;
+  };
+  void run(const MoeRunArgs& args, cudaStream_t stream, const StageEvents& stages);
 
   // Synchronises `stream` and throws megamoe::Error(kCuda) if a barrier of any earlier run timed
   // out (a peer never arrived: the outputs of that run are undefined), or with the CUDA error.
@@ -102,6 +148,10 @@ class MoeEpLayer {
   struct Impl;
   MoeEpLayer();
   std::unique_ptr<Impl> impl_;
+  void run_stages(const MoeRunArgs& args, cudaStream_t stream, const StageEvents* stages);
+  static MoeEpLayer create_on(const MoeLayer& local_layer, int64_t num_experts, const EpConfig& config,
+                              const std::function<std::unique_ptr<ep::EpTransport>()>& make_transport,
+                              const MoeTuning& tuning, bool deterministic);
 };
 
 }  // namespace megamoe

@@ -46,8 +46,8 @@ struct MoeTuning {
   // The fused L1 + L2 launch. true runs it on the 16-token tile up to 16 tokens per expert, and on
   // the 32-token tile from 17 to 24 (the tile the heuristic picks there); past 24 there is no
   // fused kernel. Its CTAs wait on each other, so its grid (sized by the occupancy on every SM of
-  // the device) must be resident at once: where the process gets only part of the SMs (an MPS
-  // active-thread limit, a green context), set it to false.
+  // the device, or of num_sms below) must be resident at once: where the process gets only part of
+  // the SMs and does not say so in num_sms (an MPS active-thread limit), set it to false.
   std::optional<bool> fused;
   // Early start (up to 32 routed selections T * top_k and 64 slots T * (top_k + shared slices));
   // false waits for the dispatch before L1's first items.
@@ -56,6 +56,10 @@ struct MoeTuning {
   // in both GEMMs. true needs 2I and H multiples of
   // 256 (its 256-row blocks) and runs two launches without early start; false never uses it.
   std::optional<bool> absorbing_tile;
+  // The SMs this plan's kernels get, where that is fewer than the device's: a green context's
+  // partition (EpLoopback gives each virtual rank one). Sizes every grid and the heuristic's
+  // choices; 1..the device's SM count.
+  std::optional<int> num_sms;
 };
 
 // The stacked NVFP4 expert layout inference engines keep on the GPU (docs/design.md §2): DEVICE

@@ -170,6 +170,7 @@ struct NcclResources {
 class NcclTransport final : public EpTransport {
  public:
   NcclTransport(const EpConfig& config, const EpUniqueId& id);
+  ~NcclTransport() override;
   int rank() const override { return rank_; }
   int world_size() const override { return world_; }
   void allocate_window(size_t data_bytes, size_t flag_words) override;
@@ -268,6 +269,19 @@ void NcclTransport::allocate_window(size_t data_bytes, size_t flag_words) {
   peers_.world = world;
   window_bytes_ = flag_bytes + data_bytes;
   allocated_ = true;
+}
+
+// A window is freed only once no peer can still write into it: this rank's work has ended, then
+// every rank's (a one-element all-reduce, bounded at 10 s; a peer that is gone aborts it, and the
+// communicator is then aborted too).
+NcclTransport::~NcclTransport() {
+  if (!allocated_ || nccl_.comm == nullptr) return;
+  try {
+    gpu::check_cuda(cudaDeviceSynchronize(), "expert parallelism teardown");
+    setup_barrier(deadline_after(10.0));
+  } catch (const std::exception&) {
+    // A failed teardown barrier has aborted the communicator (setup_barrier); the rest is freed.
+  }
 }
 
 void NcclTransport::setup_barrier(Clock::time_point deadline) {

@@ -4,12 +4,14 @@
 // ep_window_layout.h says.
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
 
 #include "ep/ep_transport.h"
+#include "ep/ep_transport_loopback.h"
 #include "ep/ep_window_layout.h"
 #include "kernels/sm90/sm90_ep_exchange.cuh"
 #include "megamoe/ep.h"
@@ -79,6 +81,10 @@ struct MoeEpLayer::Impl {
   EpExpertRange range;
   int64_t num_experts = 0, hidden = 0;
   int top_k = 0;
+  // World size 1: the single-GPU layer (routed_plan and routed_weights hold the shared expert too),
+  // no transport and no exchange.
+  bool single = false;
+  cudaStream_t required_stream = nullptr;  // a loopback rank's stream; null: any
   std::unique_ptr<ep::EpTransport> transport;
   ep::EpWindowLayout layout{};
   std::optional<MoePlan> routed_plan, shared_plan;
@@ -92,6 +98,7 @@ struct MoeEpLayer::Impl {
   float* shared_out = nullptr;    // [max_t, H]
   uint64_t* epochs = nullptr;     // [ep::kBarriers]
   int32_t* invalid = nullptr;     // [1]
+  int32_t* failed = nullptr;      // [1] device copy of the error word
   int32_t* error_host = nullptr;  // host-mapped
   int32_t* error_dev = nullptr;
   ~Impl() {
@@ -106,8 +113,17 @@ MoeEpLayer::~MoeEpLayer() = default;
 const EpConfig& MoeEpLayer::config() const { return impl_->cfg; }
 EpExpertRange MoeEpLayer::experts() const { return impl_->range; }
 
-MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, const EpConfig& config,
-                              const EpUniqueId& id, bool deterministic) {
+namespace {
+
+using TransportFactory = std::function<std::unique_ptr<ep::EpTransport>()>;
+
+}  // namespace
+
+// The layer on any transport: `make_transport` is called (collectively) once the rank's local
+// state exists; `tuning` sizes the local plans (a loopback rank's SM share).
+MoeEpLayer MoeEpLayer::create_on(const MoeLayer& local_layer, int64_t num_experts, const EpConfig& config,
+                                 const TransportFactory& make_transport, const MoeTuning& tuning,
+                                 bool deterministic) {
   const int R = config.world_size;
   const EpExpertRange range = ep_expert_range(num_experts, R, config.rank);
   local_layer.validate();
@@ -125,8 +141,23 @@ MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, 
   m.range = range;
   m.num_experts = num_experts;
   m.hidden = local_layer.hidden_size;
+  m.top_k = k;
   const int64_t H = m.hidden, max_t = config.max_tokens_per_rank;
   check_cuda(cudaSetDevice(config.device), "cudaSetDevice");
+
+  if (R == 1) {
+    // One rank owns every expert: the single-GPU layer on the rank's tokens, nothing exchanged.
+    m.single = true;
+    MoeProblem p = MoeProblem::from_layer(local_layer, max_t);
+    p.top_k = k;
+    p.deterministic = deterministic;
+    p.precision = config.precision;
+    m.routed_plan = MoePlan::create(p, tuning);
+    m.routed_weights = MoeDeviceWeights::upload(local_layer);
+    m.routed_ws = m.mem.alloc<uint8_t>(m.routed_plan->workspace_bytes());
+    check_cuda(cudaDeviceSynchronize(), "MoeEpLayer::create");
+    return out;
+  }
 
   // The rank's own experts, on what it receives from every rank (fp32 out).
   MoeLayer routed = local_layer;
@@ -140,9 +171,8 @@ MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, 
   rp.swiglu_limit = local_layer.swiglu_limit;
   rp.deterministic = deterministic;
   rp.precision = config.precision;
-  m.routed_plan = MoePlan::create(rp);
+  m.routed_plan = MoePlan::create(rp, tuning);
   m.routed_weights = MoeDeviceWeights::upload(routed);
-  m.top_k = k;
 
   // The shared expert on the rank's own tokens: a one-expert layer, every token's weight 1.
   if (local_layer.shared_expert) {
@@ -156,7 +186,7 @@ MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, 
     MoeProblem sp = MoeProblem::from_layer(shared, max_t);
     sp.deterministic = deterministic;
     sp.precision = config.precision;
-    m.shared_plan = MoePlan::create(sp);
+    m.shared_plan = MoePlan::create(sp, tuning);
     m.shared_weights = MoeDeviceWeights::upload(shared);
     m.shared_ws = m.mem.alloc<uint8_t>(m.shared_plan->workspace_bytes());
     m.shared_ids = m.mem.alloc<int32_t>(static_cast<size_t>(max_t));
@@ -170,14 +200,16 @@ MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, 
   m.local_out = m.mem.alloc<float>(static_cast<size_t>(R * max_t * H));
   m.epochs = m.mem.alloc<uint64_t>(ep::kBarriers);
   m.invalid = m.mem.alloc<int32_t>(1);
+  m.failed = m.mem.alloc<int32_t>(1);
   check_cuda(cudaMemset(m.epochs, 0, ep::kBarriers * sizeof(uint64_t)), "cudaMemset");
+  check_cuda(cudaMemset(m.failed, 0, sizeof(int32_t)), "cudaMemset");
   check_cuda(cudaHostAlloc(&m.error_host, sizeof(int32_t), cudaHostAllocMapped), "cudaHostAlloc(error word)");
   *m.error_host = 0;
   check_cuda(cudaHostGetDevicePointer(&m.error_dev, m.error_host, 0), "cudaHostGetDevicePointer");
 
   // The windows: the same layout on every rank.
   m.layout = ep::ep_window_layout(R, max_t, H, k);
-  m.transport = ep::make_transport(config, id);
+  m.transport = make_transport();
   MEGAMOE_CHECK(m.transport->rank() == config.rank && m.transport->world_size() == R, kInternal,
                 "expert parallelism: the transport is rank ", m.transport->rank(), " of ",
                 m.transport->world_size(), ", the layer rank ", config.rank, " of ", R);
@@ -186,14 +218,43 @@ MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, 
   return out;
 }
 
+MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, const EpConfig& config,
+                              const EpUniqueId& id, bool deterministic) {
+  return create_on(local_layer, num_experts, config, [&] { return ep::make_transport(config, id); }, MoeTuning{},
+                   deterministic);
+}
+
+MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, const EpConfig& config,
+                              const EpLoopback& loopback, bool deterministic) {
+  MEGAMOE_CHECK(config.world_size == loopback.world_size() && config.device == loopback.device(), kInvalidArgument,
+                "MoeEpLayer: the config asks for world size ", config.world_size, " on device ", config.device,
+                "; the loopback has ", loopback.world_size(), " virtual ranks on device ", loopback.device());
+  MoeTuning tuning;
+  tuning.num_sms = loopback.sms_per_rank();
+  MoeEpLayer out = create_on(local_layer, num_experts, config,
+                             [&] { return ep::make_loopback_transport(loopback, config.rank); }, tuning,
+                             deterministic);
+  out.impl_->required_stream = loopback.stream(config.rank);
+  return out;
+}
+
 size_t MoeEpLayer::device_bytes() const {
   const Impl& m = *impl_;
   return m.mem.bytes + m.routed_weights->device_bytes() + (m.shared_weights ? m.shared_weights->device_bytes() : 0) +
-         m.transport->window_bytes();
+         (m.transport ? m.transport->window_bytes() : 0);
 }
 
-void MoeEpLayer::run(const MoeRunArgs& args, cudaStream_t stream) {
+void MoeEpLayer::run(const MoeRunArgs& args, cudaStream_t stream) { run_stages(args, stream, nullptr); }
+
+void MoeEpLayer::run(const MoeRunArgs& args, cudaStream_t stream, const StageEvents& stages) {
+  run_stages(args, stream, &stages);
+}
+
+void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const StageEvents* stages) {
   Impl& m = *impl_;
+  auto mark = [&](cudaEvent_t StageEvents::*which) {
+    if (stages != nullptr) check_cuda(cudaEventRecord(stages->*which, stream), "cudaEventRecord(stage)");
+  };
   const int R = m.cfg.world_size;
   const int64_t max_t = m.cfg.max_tokens_per_rank, H = m.hidden;
   MEGAMOE_CHECK(args.tokens >= 0 && args.tokens <= max_t, kInvalidArgument, "MoeEpLayer::run: tokens = ",
@@ -201,9 +262,26 @@ void MoeEpLayer::run(const MoeRunArgs& args, cudaStream_t stream) {
   MEGAMOE_CHECK(args.tokens == 0 || (args.hidden && args.topk_ids && args.topk_weights && args.output), kInvalidArgument,
                 "MoeEpLayer::run: hidden, topk_ids, topk_weights and output must be device pointers, not null");
   MEGAMOE_CHECK(args.output_f32 == nullptr, kInvalidArgument, "MoeEpLayer::run: the output is bf16 (output)");
+  MEGAMOE_CHECK(m.required_stream == nullptr || stream == m.required_stream, kInvalidArgument,
+                "MoeEpLayer::run: loopback rank ", m.cfg.rank, " runs on its own SMs: pass EpLoopback::stream(",
+                m.cfg.rank, ")");
+  if (m.single) {
+    mark(&StageEvents::start);
+    mark(&StageEvents::dispatched);
+    if (args.tokens > 0) {
+      MoeRunArgs local = args;
+      local.workspace = m.routed_ws;
+      megamoe::run(*m.routed_plan, *m.routed_weights, local, stream);
+    }
+    mark(&StageEvents::computed);
+    mark(&StageEvents::returned);
+    mark(&StageEvents::done);
+    return;
+  }
   // Host-mapped, so readable without a synchronisation: a layer whose barrier failed is unusable.
-  MEGAMOE_CHECK(*reinterpret_cast<volatile int32_t*>(m.error_host) == 0, kCuda,
-                "MoeEpLayer::run: an earlier run failed at a barrier (see check()); destroy and re-create the layer");
+  const int32_t failed = *reinterpret_cast<volatile int32_t*>(m.error_host);
+  MEGAMOE_CHECK(failed == 0, kCuda, "MoeEpLayer::run: an earlier run failed (see check()); destroy and re-create the "
+                "layer on every rank");
   MEGAMOE_CHECK(reinterpret_cast<uintptr_t>(args.hidden) % 16 == 0 && reinterpret_cast<uintptr_t>(args.output) % 16 == 0,
                 kInvalidArgument, "MoeEpLayer::run: hidden and output must be 16-byte aligned");
 
@@ -225,14 +303,17 @@ void MoeEpLayer::run(const MoeRunArgs& args, cudaStream_t stream) {
   p.out = reinterpret_cast<__nv_bfloat16*>(args.output);
   p.epochs = m.epochs;
   p.error = m.error_dev;
+  p.failed = m.failed;
   p.timeout_ns = static_cast<uint64_t>(m.cfg.timeout_seconds * 1e9);
 
   const unsigned rows_blocks = static_cast<unsigned>(std::min<int64_t>((R * max_t * 32 + 255) / 256, 1024));
+  mark(&StageEvents::start);
   check_cuda(cudaMemsetAsync(m.invalid, 0, 4, stream), "cudaMemsetAsync");
   k90::ep_dispatch_kernel<<<rows_blocks, 256, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "ep_dispatch_kernel launch");
   k90::ep_barrier_kernel<<<1, 32, 0, stream>>>(p, 0);
   check_cuda(cudaGetLastError(), "ep_barrier_kernel launch");
+  mark(&StageEvents::dispatched);
 
   // This rank's experts on every row it may have received (rows not sent here carry ids -1).
   const char* window = m.transport->local_base();
@@ -255,32 +336,48 @@ void MoeEpLayer::run(const MoeRunArgs& args, cudaStream_t stream) {
     megamoe::run(*m.shared_plan, *m.shared_weights, shared, stream);
   }
 
+  mark(&StageEvents::computed);
   k90::ep_return_kernel<<<rows_blocks, 256, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "ep_return_kernel launch");
   k90::ep_barrier_kernel<<<1, 32, 0, stream>>>(p, 1);
   check_cuda(cudaGetLastError(), "ep_barrier_kernel launch");
+  mark(&StageEvents::returned);
   if (args.tokens > 0) {
     const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(args.tokens, 1024));
     k90::ep_combine_kernel<<<blocks, 256, 0, stream>>>(p);
     check_cuda(cudaGetLastError(), "ep_combine_kernel launch");
   }
+  mark(&StageEvents::done);
 }
 
+namespace {
+
+const char* barrier_name(int32_t stage) { return stage == 1 ? "dispatch" : stage == 2 ? "return" : "unknown"; }
+
+}  // namespace
+
 void MoeEpLayer::check(cudaStream_t stream) const {
+  const Impl& m = *impl_;
   check_cuda(cudaStreamSynchronize(stream), "MoeEpLayer::check");
-  const int32_t e = *reinterpret_cast<volatile int32_t*>(impl_->error_host);
-  MEGAMOE_CHECK(e != 3, kCuda, "expert parallelism: rank ", impl_->cfg.rank,
-                ": a peer rank gave up waiting at a barrier (it timed out); the outputs since are undefined");
-  MEGAMOE_CHECK(e == 0, kCuda, "expert parallelism: rank ", impl_->cfg.rank, " waited more than ",
-                impl_->cfg.timeout_seconds, " s at the ", e == 1 ? "dispatch" : "return",
-                " barrier: a peer rank never arrived (it failed, or does not call run() as often); the outputs "
-                "since are undefined");
+  if (m.single) return;
+  using F = k90::EpFailure;
+  const int32_t e = *reinterpret_cast<volatile int32_t*>(m.error_host);
+  MEGAMOE_CHECK(F::kind(e) != F::kPeerGaveUp, kCuda, "expert parallelism: rank ", m.cfg.rank, ": rank ",
+                F::peer_rank(e), " gave up waiting at the ", barrier_name(F::peer_stage(e)),
+                " barrier (a peer of it never arrived); every rank has stopped exchanging, the outputs since are "
+                "undefined");
+  MEGAMOE_CHECK(e == 0, kCuda, "expert parallelism: rank ", m.cfg.rank, " waited more than ", m.cfg.timeout_seconds,
+                " s at the ", barrier_name(F::kind(e)),
+                " barrier: a peer rank never arrived (it failed, or does not call run() as often); every rank has "
+                "stopped exchanging, the outputs since are undefined");
 }
 
 int64_t MoeEpLayer::invalid_id_count(cudaStream_t stream) const {
+  const Impl& m = *impl_;
+  if (m.single) return m.routed_plan->invalid_id_count(m.routed_ws, stream);
   int32_t count = 0;
-  check_cuda(cudaMemcpyAsync(&count, impl_->invalid, 4, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
-  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  check_cuda(cudaMemcpyAsync(&count, m.invalid, 4, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+  check(stream);  // a failed exchange's count means nothing
   return count;
 }
 

@@ -79,7 +79,10 @@ MoePlan MoePlan::create(const MoeProblem& problem, const MoeTuning& tuning) {
                                                             runtime::arch_name(device.arch), ")"));
   plan.problem_ = problem;
   plan.tuning_ = tuning;
-  plan.num_sms_ = device.num_sms;
+  MEGAMOE_CHECK(!tuning.num_sms || (*tuning.num_sms >= 1 && *tuning.num_sms <= device.num_sms), kInvalidArgument,
+                "MoeTuning.num_sms = ", tuning.num_sms.value_or(0), " must be in 1..", device.num_sms,
+                " (the SMs of device ", device.device, ")");
+  plan.num_sms_ = tuning.num_sms.value_or(device.num_sms);
   return plan;
 }
 

@@ -15,6 +15,7 @@
 
 #include "bench/ep_bench.h"
 #include "bench/ep_bench_model.h"
+#include "bench/ep_loopback_bench.h"
 #include "bench/moe_bench.h"
 #include "commands.h"
 #include "megamoe/gpu.h"
@@ -32,6 +33,7 @@ namespace {
 // What only the EP launcher and its ranks take from the command line.
 struct EpCli {
   int ep = 0;                 // --ep N (0: the single-GPU benchmark)
+  int ep_loopback = 0;        // --ep-loopback N: N virtual ranks on GPU 0, in this process
   int ep_rank = -1;           // set by the launcher in the processes it starts
   std::string ep_setup;       // the launcher's RUN_DIR/ep_bench.json (launcher -> ranks)
   std::vector<int64_t> tokens_per_rank = bench::EpBenchOptions{}.tokens_per_rank;
@@ -212,6 +214,11 @@ Command add_bench_command(CLI::App& parent) {
                   "expert parallelism over N GPUs of this host (1..8): this command starts one process per GPU, "
                   "each with E/N experts; per --tokens-per-rank point the slowest rank's time, % of floor, the unfused "
                   "baseline (NCCL all-to-all + the single-GPU layer) and the single-GPU layer on all tokens");
+  app->add_option("--ep-loopback", ep->ep_loopback,
+                  "the expert-parallel layer over N virtual ranks on GPU 0 (1..8), each on its own share of the "
+                  "SMs, in this process: per --tokens-per-rank point the layer time and the exchange's share (SM "
+                  "partitions of one GPU: a debugging figure, not a multi-GPU one; no baselines)")
+      ->check(CLI::Range(1, 8));
   app->add_option("--tokens-per-rank", ep->tokens_per_rank, "with --ep: tokens per rank T_r, comma separated")
       ->delimiter(',')
       ->capture_default_str();
@@ -228,9 +235,20 @@ Command add_bench_command(CLI::App& parent) {
   app->add_option("--ep-setup", ep->ep_setup)->group("");
   return {app, [opt, fused, early_start, absorbing_tile, ep, app] {
             if (ep->ep_rank >= 0) return run_ep_rank(*ep);
+            if (app->count("--ep-loopback") > 0) {
+              MEGAMOE_CHECK(app->count("--ep") == 0 && app->count("--ep-deadline") == 0, kInvalidArgument,
+                            "bench --ep-loopback runs virtual ranks in this process: it takes neither --ep nor "
+                            "--ep-deadline");
+              EpCli lb = *ep;
+              lb.ep = ep->ep_loopback;
+              if (bench::run_ep_loopback_bench(ep_options(*opt, lb, *app)) != 0) {
+                MEGAMOE_FAIL(kInternal, "bench --ep-loopback: the output checks failed (see above)");
+              }
+              return;
+            }
             if (app->count("--ep") > 0) return run_ep_launcher(ep_options(*opt, *ep, *app));
             for (const char* name : {"--tokens-per-rank", "--max-tokens-per-rank", "--ep-timeout", "--ep-deadline"}) {
-              MEGAMOE_CHECK(app->count(name) == 0, kInvalidArgument, "bench: ", name, " needs --ep N");
+              MEGAMOE_CHECK(app->count(name) == 0, kInvalidArgument, "bench: ", name, " needs --ep N or --ep-loopback N");
             }
             if (!fused->empty()) opt->fused = *fused == "on";
             if (!absorbing_tile->empty()) opt->absorbing_tile = *absorbing_tile == "on";

@@ -2,6 +2,7 @@
 // [--deterministic] [--precision P] [--ep N]`: one MoE layer on the GPU (sm90 W4A16), with the
 // arguments of `reference`. Routing, when the input gives no top-k, runs on the CPU
 // (reference::route). --precision goes to the plan, which refuses a precision this build has no kernel for.
+// --ep-loopback N: the same exchange over N virtual ranks on GPU 0 (EpLoopback), in this process.
 // --ep N: expert parallelism over N GPUs of this host. The command starts one process per GPU
 // itself (this executable again, with --ep-rank), gives each a contiguous share of the tokens
 // (the last ones may get none) and gathers their outputs.
@@ -40,6 +41,7 @@ struct RunArgs {
   bool deterministic = false;
   Precision precision = Precision::kW4a16;  // MoeProblem::precision, EpConfig::precision
   int ep = 0;                // world size; 0: one GPU, no expert parallelism
+  int ep_loopback = 0;       // world size of virtual ranks on one GPU (EpLoopback); 0: none
   int ep_rank = -1;          // set by the launcher in the processes it starts
   std::string ep_id;         // the NCCL unique id, hex (launcher -> ranks)
   double ep_timeout = 60.0;  // seconds a rank waits for its peers at a barrier
@@ -153,9 +155,70 @@ void run_ep_launcher(const RunArgs& args) {
   std::fprintf(stderr, "megamoe run --ep %d: %lld tokens through layer %lld on %d GPUs (%s) -> '%s'\n", R,
                (long long)T, (long long)args.layer, R, job.routing_name(), args.output.c_str());
 }
+
+// R virtual ranks on GPU 0 (EpLoopback), in this process: each rank its experts, its token share
+// and its SMs; the same exchange as --ep R.
+void run_ep_loopback(const RunArgs& args) {
+  check_distinct_files(args.input, args.output);
+  const int R = args.ep_loopback;
+  MEGAMOE_CHECK(gpu::device_count() > 0, kUnsupported, "megamoe run --ep-loopback: no CUDA device found");
+  const LayerJob job = load_layer_job(args.checkpoint, args.layer, args.input);
+  check_output_is_not_an_input(args.output, job.input_files);
+  MoeLayer layer = job.layer;
+  const int64_t T = job.topk.tokens, H = layer.hidden_size, k = job.topk.k;
+  layer.routing.top_k = static_cast<int>(k);
+  const EpLoopback loopback = EpLoopback::create(R, 0);
+  EpConfig cfg;
+  cfg.world_size = R;
+  cfg.max_tokens_per_rank = std::max<int64_t>(1, (T + R - 1) / R);
+  cfg.timeout_seconds = args.ep_timeout;
+  cfg.precision = args.precision;
+  std::vector<MoeEpLayer> ranks;
+  for (int r = 0; r < R; ++r) {
+    cfg.rank = r;
+    ranks.push_back(MoeEpLayer::create(ep_local_layer(layer, ep_expert_range(layer.num_experts, R, r)),
+                                       layer.num_experts, cfg, loopback, args.deterministic));
+  }
+  const support::DeviceBuffer<uint16_t> hidden(job.hidden);
+  const support::DeviceBuffer<int32_t> ids(job.topk.ids);
+  const support::DeviceBuffer<float> weights(job.topk.weights);
+  support::DeviceBuffer<uint16_t> out(static_cast<size_t>(T * H));
+  out.poison();
+  // The ranks' streams do not wait for the null stream's copies.
+  gpu::check_cuda(cudaDeviceSynchronize(), "megamoe run --ep-loopback");
+  for (int r = 0; r < R; ++r) {
+    const auto [first, end] = token_share(T, R, r);
+    MoeRunArgs a;
+    a.tokens = end - first;
+    if (a.tokens > 0) {
+      a.hidden = hidden.get() + first * H;
+      a.topk_ids = ids.get() + first * k;
+      a.topk_weights = weights.get() + first * k;
+      a.output = out.get() + first * H;
+    }
+    ranks[r].run(a, loopback.stream(r));
+  }
+  int64_t invalid = 0;
+  for (int r = 0; r < R; ++r) invalid += ranks[r].invalid_id_count(loopback.stream(r));
+  MEGAMOE_CHECK(invalid == 0, kInternal, invalid, " top-k ids were out of range on the device");
+  write_layer_output(args.output, job, out.download());
+  std::fprintf(stderr, "megamoe run --ep-loopback %d: %lld tokens through layer %lld on %d virtual ranks of GPU 0 "
+               "(%d SMs each; %s) -> '%s'\n", R, (long long)T, (long long)args.layer, R, loopback.sms_per_rank(),
+               job.routing_name(), args.output.c_str());
+}
 #endif
 
 void run_gpu(const RunArgs& args) {
+  if (args.ep_loopback > 0) {
+    MEGAMOE_CHECK(args.ep == 0 && args.ep_rank < 0, kInvalidArgument,
+                  "megamoe run: --ep-loopback runs virtual ranks on one GPU; it cannot be combined with --ep");
+#if MEGAMOE_HAS_EP
+    return run_ep_loopback(args);
+#else
+    MEGAMOE_FAIL(kUnsupported, "megamoe run --ep-loopback: this build has no expert parallelism (configured with "
+                 "-DMEGAMOE_EP=OFF)");
+#endif
+  }
   if (args.ep > 0 || args.ep_rank >= 0) {
 #if MEGAMOE_HAS_EP
     if (args.ep_rank >= 0) return run_ep_rank(args);
@@ -225,6 +288,10 @@ Command add_run_command(CLI::App& parent) {
                        "reference --precision w4a8`); auto: per T, the built kernels' choice");
   app->add_option("--ep", args->ep,
                   "expert parallelism over N GPUs of this host (one process per GPU, started by this command)")
+      ->check(CLI::Range(1, 8));
+  app->add_option("--ep-loopback", args->ep_loopback,
+                  "expert parallelism over N virtual ranks on GPU 0, each on its own share of the SMs (for "
+                  "debugging where fewer GPUs are at hand: the output equals --ep N's)")
       ->check(CLI::Range(1, 8));
   app->add_option("--ep-timeout", args->ep_timeout, "seconds a rank waits for its peers before it fails")
       ->check(CLI::Range(0.001, 3600.0));

@@ -34,11 +34,30 @@ struct EpExchangeParams {
   __nv_bfloat16* out;       // [T, H] bf16
   // Barrier state.
   uint64_t* epochs;         // [kBarriers] this rank's barrier epochs (device memory)
-  int32_t* error;           // host-mapped: nonzero once a barrier timed out
+  int32_t* error;           // host-mapped: nonzero once a barrier failed (EpFailure)
+  int32_t* failed;          // device memory: the same word, which the exchange kernels read cheaply
   uint64_t timeout_ns;
 };
 
+// A failed rank's error word: what failed (kind), and for a peer's failure which peer and where.
+struct EpFailure {
+  static constexpr int32_t kDispatchTimeout = 1;  // this rank waited too long at the dispatch barrier
+  static constexpr int32_t kReturnTimeout = 2;    // ... at the return barrier
+  static constexpr int32_t kPeerGaveUp = 3;       // a peer poisoned its signal words
+  __host__ __device__ static constexpr int32_t peer(int32_t peer_rank, int32_t peer_stage) {
+    return kPeerGaveUp | peer_rank << 8 | peer_stage << 16;
+  }
+  __host__ __device__ static constexpr int32_t kind(int32_t word) { return word & 0xff; }
+  __host__ __device__ static constexpr int32_t peer_rank(int32_t word) { return word >> 8 & 0xff; }
+  __host__ __device__ static constexpr int32_t peer_stage(int32_t word) { return word >> 16 & 0xff; }
+};
+
 namespace ep_detail {
+
+// Once a barrier failed, no kernel of this rank writes into a peer's window again.
+__device__ __forceinline__ bool failed(const EpExchangeParams& p) {
+  return *reinterpret_cast<const volatile int32_t*>(p.failed) != 0;
+}
 
 __device__ __forceinline__ int owner_of(int64_t id, const EpExchangeParams& p) {
   return id >= 0 && id < p.num_experts ? static_cast<int>(id / p.experts_per_rank) : -1;
@@ -51,6 +70,7 @@ __device__ __forceinline__ int owner_of(int64_t id, const EpExchangeParams& p) {
 // local ids; every other row's ids become -1 there, so d's local layer skips it (the receive
 // buffers persist between runs).
 __global__ void __launch_bounds__(256) ep_dispatch_kernel(EpExchangeParams p) {
+  if (ep_detail::failed(p)) return;
   const int lane = threadIdx.x % 32;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
@@ -87,19 +107,22 @@ __global__ void __launch_bounds__(256) ep_dispatch_kernel(EpExchangeParams p) {
   __threadfence_system();
 }
 
-// A flag value no epoch reaches: a rank that gave up tells its peers so.
+// A flag value no epoch reaches: a rank that gave up tells its peers so, and which rank gave up
+// where (bits 8..15 the rank, bits 0..7 the stage: 1 + barrier).
 inline constexpr uint64_t kEpPoisonFlag = uint64_t{1} << 63;
 
 // Barrier `which` (0: after dispatch, 1: after return) over all ranks, one thread: publish this
 // rank's next epoch in every peer's flag slot, then wait for every peer's, up to timeout_ns.
 // Epochs live in device memory and advance once per run, so graph replays stay in step as long
-// as every rank replays the same graph. On timeout the rank sets its error word and poisons its
-// flag in every peer, so that the peers fail too instead of running on with data it may
-// overwrite; a rank whose error word is set (its own timeout, or a peer's poison) stops taking
-// part. The outputs of such runs are undefined: MoeEpLayer::check reports it.
+// as every rank replays the same graph. On timeout the rank records the failure and poisons its
+// slots of both barriers in every peer, so that every peer fails at once wherever it waits,
+// instead of running on with data it may overwrite or waiting a second full timeout; a rank that
+// sees a poison records it and passes it on the same way. A rank that has failed stops taking
+// part (no kernel of it writes into a peer's window again). The outputs of such runs are
+// undefined: MoeEpLayer::check reports the failure, with the rank and the stage.
 __global__ void ep_barrier_kernel(EpExchangeParams p, int which) {
   if (threadIdx.x != 0) return;
-  if (*reinterpret_cast<volatile int32_t*>(p.error) != 0) return;
+  if (ep_detail::failed(p)) return;
   __threadfence_system();
   const uint64_t epoch = p.epochs[which] + 1;
   for (int d = 0; d < p.peers.world; ++d) {
@@ -108,24 +131,29 @@ __global__ void ep_barrier_kernel(EpExchangeParams p, int which) {
   const uint64_t* mine = p.peers.flags[p.peers.rank] + which * ep::kMaxRanks;
   const uint64_t start = ptx::global_timer_ns();
   int32_t failure = 0;
+  uint64_t poison = kEpPoisonFlag | static_cast<uint64_t>(p.peers.rank) << 8 | static_cast<uint64_t>(1 + which);
   for (int s = 0; s < p.peers.world && failure == 0; ++s) {
     for (;;) {
       const uint64_t seen = ptx::ld_acquire_sys(mine + s);
       if (seen & kEpPoisonFlag) {
-        failure = 3;  // a peer gave up
+        failure = EpFailure::peer(static_cast<int32_t>(seen >> 8 & 0xff), static_cast<int32_t>(seen & 0xff));
+        poison = seen;  // passed on as it came: the rank that gave up first, and where
         break;
       }
       if (static_cast<int64_t>(seen - epoch) >= 0) break;
       if (ptx::global_timer_ns() - start > p.timeout_ns) {
-        failure = 1 + which;
+        failure = which == 0 ? EpFailure::kDispatchTimeout : EpFailure::kReturnTimeout;
         break;
       }
       __nanosleep(256);
     }
   }
   if (failure != 0) {
+    *reinterpret_cast<volatile int32_t*>(p.failed) = failure;
     for (int d = 0; d < p.peers.world; ++d) {
-      ptx::st_release_sys(p.peers.flags[d] + which * ep::kMaxRanks + p.peers.rank, kEpPoisonFlag);
+      for (int b = 0; b < ep::kBarriers; ++b) {
+        ptx::st_release_sys(p.peers.flags[d] + b * ep::kMaxRanks + p.peers.rank, poison);
+      }
     }
     atomicExch(p.error, failure);
     __threadfence_system();
@@ -136,6 +164,7 @@ __global__ void ep_barrier_kernel(EpExchangeParams p, int which) {
 // One warp per received row: a row that held any of this rank's experts gets its weighted fp32
 // partial sum (local_out) written back into its source rank's `ret` block of this rank.
 __global__ void __launch_bounds__(256) ep_return_kernel(EpExchangeParams p) {
+  if (ep_detail::failed(p)) return;
   const int lane = threadIdx.x % 32;
   const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;

@@ -1,0 +1,400 @@
+// The expert-parallel layer (include/megamoe/ep.h) on one GPU through the loopback transport: R
+// virtual ranks, each on its own SM partition and stream, run the same device code as over NCCL.
+// Every rank's output (poisoned first) is checked against the CPU reference of the whole layer
+// over all ranks' tokens; fresh random data each run. Written so that nothing needs more than one
+// GPU: the multi-GPU runs of the NCCL transport are `megamoe run/bench --ep R`.
+#include <gtest/gtest.h>
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <cstdio>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "gpu_test_util.h"
+#include "megamoe/ep.h"
+#include "megamoe/gpu.h"
+#include "megamoe/reference.h"
+#include "megamoe/runtime.h"
+#include "megamoe/status.h"
+#include "tests/common/error_matchers.h"
+#include "tests/common/test_util.h"
+
+namespace megamoe {
+namespace {
+
+using testing::kMaxRelL2;
+using support::DeviceBuffer;
+
+__global__ void record_sm_kernel(int32_t* sm_of_block) {
+  if (threadIdx.x == 0) {
+    int32_t sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    sm_of_block[blockIdx.x] = sm;
+    // Long enough that the blocks of every rank are resident together.
+    const auto start = clock64();
+    while (clock64() - start < 200000) {
+    }
+  }
+}
+
+// Holds its stream for `ns` nanoseconds: an injected delay of one rank.
+__global__ void delay_kernel(uint64_t ns) {
+  uint64_t start;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  for (;;) {
+    uint64_t now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (now - start >= ns) break;
+  }
+}
+
+// Counts the elements of `got` that differ bitwise from `want`.
+__global__ void count_mismatches_kernel(const uint16_t* got, const uint16_t* want, int64_t n,
+                                        unsigned long long* mismatches) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    if (got[i] != want[i]) atomicAdd(mismatches, 1ull);
+  }
+}
+
+bool loopback_available(int R) {
+  try {
+    EpLoopback::create(R);
+    return true;
+  } catch (const Error& e) {
+    std::printf("[ SKIPPED  ] loopback R=%d: %s\n", R, e.what());
+    return false;
+  }
+}
+
+// One rank's inputs on the device and its output.
+struct RankIo {
+  int64_t tokens = 0;
+  std::vector<uint16_t> hidden;
+  reference::TopK topk;
+  std::optional<DeviceBuffer<uint16_t>> d_hidden, d_out;
+  std::optional<DeviceBuffer<int32_t>> d_ids;
+  std::optional<DeviceBuffer<float>> d_w;
+
+  MoeRunArgs args() const {
+    MoeRunArgs a{};
+    a.tokens = tokens;
+    if (tokens > 0) {
+      a.hidden = d_hidden->get();
+      a.topk_ids = d_ids->get();
+      a.topk_weights = d_w->get();
+      a.output = d_out->get();
+    }
+    return a;
+  }
+};
+
+// R virtual ranks of one layer.
+struct LoopbackLayer {
+  EpLoopback loopback;
+  std::vector<MoeEpLayer> ranks;
+
+  LoopbackLayer(const MoeLayer& layer, int R, int64_t max_t, bool deterministic, double timeout = 60.0)
+      : loopback(EpLoopback::create(R)) {
+    for (int r = 0; r < R; ++r) {
+      EpConfig cfg;
+      cfg.world_size = R;
+      cfg.rank = r;
+      cfg.max_tokens_per_rank = max_t;
+      cfg.timeout_seconds = timeout;
+      const EpExpertRange range = ep_expert_range(layer.num_experts, R, r);
+      ranks.push_back(MoeEpLayer::create(ep_local_layer(layer, range), layer.num_experts, cfg, loopback,
+                                         deterministic));
+    }
+  }
+  int world() const { return loopback.world_size(); }
+  // Poisons the outputs, then runs every rank. The ranks' streams are non-blocking: the uploads
+  // and the poison (on the null stream) are waited for first.
+  void run(std::vector<RankIo>& io) {
+    for (int r = 0; r < world(); ++r) {
+      if (io[r].tokens > 0) io[r].d_out->poison();
+    }
+    gpu::check_cuda(cudaDeviceSynchronize(), "inputs");
+    for (int r = 0; r < world(); ++r) ranks[r].run(io[r].args(), loopback.stream(r));
+    for (int r = 0; r < world(); ++r) ranks[r].check(loopback.stream(r));
+  }
+};
+
+std::vector<RankIo> draw_inputs(testing::Rng& rng, const std::vector<int64_t>& tokens, int64_t H, int64_t E, int k,
+                                int only_expert = -1) {
+  std::vector<RankIo> io(tokens.size());
+  for (size_t r = 0; r < tokens.size(); ++r) {
+    RankIo& x = io[r];
+    x.tokens = tokens[r];
+    x.hidden = testing::random_hidden(rng, x.tokens, H);
+    x.topk = testing::random_topk(rng, x.tokens, E, k, only_expert);
+    if (x.tokens == 0) continue;
+    x.d_hidden.emplace(x.hidden);
+    x.d_ids.emplace(x.topk.ids);
+    x.d_w.emplace(x.topk.weights);
+    x.d_out.emplace(static_cast<size_t>(x.tokens * H));
+  }
+  return io;
+}
+
+// Every rank's output against the reference of the whole layer over all ranks' tokens, in rank
+// order; ids outside [0, E) are dropped there (weight 0), as the layer skips them.
+void expect_matches_reference(const MoeLayer& layer, const std::vector<RankIo>& io, const std::string& what) {
+  std::vector<uint16_t> hidden, got;
+  reference::TopK all;
+  all.k = io[0].topk.k;
+  for (const RankIo& x : io) {
+    hidden.insert(hidden.end(), x.hidden.begin(), x.hidden.end());
+    for (size_t i = 0; i < x.topk.ids.size(); ++i) {
+      const bool valid = x.topk.ids[i] >= 0 && x.topk.ids[i] < layer.num_experts;
+      all.ids.push_back(valid ? x.topk.ids[i] : 0);
+      all.weights.push_back(valid ? x.topk.weights[i] : 0.0f);
+    }
+    all.tokens += x.tokens;
+    if (x.tokens > 0) {
+      const std::vector<uint16_t> out = x.d_out->download();
+      got.insert(got.end(), out.begin(), out.end());
+    }
+  }
+  if (all.tokens == 0) return;
+  const auto want = reference::moe_forward_f32(layer, hidden, all.tokens, all);
+  const testing::ErrorStats e = testing::compare(got, want);
+  EXPECT_EQ(e.nonfinite, 0) << what << ": non-finite or unwritten outputs";
+  EXPECT_LE(e.rel_l2, kMaxRelL2) << what;
+  std::printf("[ loopback ] %s: %lld tokens, rel_l2 %.3g\n", what.c_str(), (long long)all.tokens, e.rel_l2);
+}
+
+TEST(GpuEpLoopback, RanksRunOnDisjointSms) {
+  MEGAMOE_REQUIRE_GPU();
+  for (int R : {2, 4, 8}) {
+    if (!loopback_available(R)) continue;
+    const EpLoopback lb = EpLoopback::create(R);
+    const int blocks = 4 * lb.sms_per_rank();
+    std::vector<std::unique_ptr<DeviceBuffer<int32_t>>> sms;
+    for (int r = 0; r < R; ++r) {
+      sms.push_back(std::make_unique<DeviceBuffer<int32_t>>(static_cast<size_t>(blocks)));
+      sms.back()->poison();
+    }
+    gpu::check_cuda(cudaDeviceSynchronize(), "poison");  // the ranks' streams do not wait for the null stream
+    for (int r = 0; r < R; ++r) {
+      record_sm_kernel<<<blocks, 32, 0, lb.stream(r)>>>(sms[r]->get());
+      gpu::check_cuda(cudaGetLastError(), "record_sm_kernel");
+    }
+    std::set<int32_t> seen_by_others;
+    for (int r = 0; r < R; ++r) {
+      gpu::check_cuda(cudaStreamSynchronize(lb.stream(r)), "record_sm_kernel");
+      const std::vector<int32_t> got = sms[r]->download();
+      const std::set<int32_t> mine(got.begin(), got.end());
+      EXPECT_LE(static_cast<int>(mine.size()), lb.sms_per_rank()) << "R=" << R << " rank " << r;
+      for (int32_t sm : mine) {
+        EXPECT_GE(sm, 0) << "R=" << R << " rank " << r << ": a block did not run";
+        EXPECT_EQ(seen_by_others.count(sm), 0u) << "R=" << R << " rank " << r << " ran on SM " << sm
+                                                 << ", which another rank's partition holds";
+      }
+      seen_by_others.insert(mine.begin(), mine.end());
+    }
+    std::printf("[ loopback ] R=%d: %d SMs per rank, %zu SMs used in all\n", R, lb.sms_per_rank(),
+                seen_by_others.size());
+  }
+}
+
+// Random tokens per rank (0 and max_t included), an invalid id, with and without the shared
+// expert, both combines.
+TEST(GpuEpLoopback, MatchesTheReferenceOverAllRanks) {
+  MEGAMOE_REQUIRE_GPU();
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
+  const int64_t H = 256, I = 256, E = 32, max_t = 24;
+  const int k = 4;
+  for (int R : {2, 4, 8}) {
+    if (!loopback_available(R)) continue;
+    for (int64_t shared_I : {int64_t{0}, int64_t{512}}) {
+      for (bool deterministic : {false, true}) {
+        const MoeLayer layer = testing::random_layer(rng, H, I, E, k, shared_I, 4.0f);
+        LoopbackLayer lb(layer, R, max_t, deterministic);
+        std::vector<int64_t> tokens(R);
+        for (int r = 0; r < R; ++r) tokens[r] = rng.uniform_int(0, static_cast<int>(max_t));
+        tokens[0] = max_t;
+        tokens[R - 1] = 0;
+        std::vector<RankIo> io = draw_inputs(rng, tokens, H, E, k);
+        // An id past E and a negative one: counted and skipped.
+        io[0].topk.ids[1] = static_cast<int32_t>(E);
+        io[0].topk.ids[k + 2] = -3;
+        io[0].d_ids->upload(io[0].topk.ids);
+        lb.run(io);
+        const std::string what = "R=" + std::to_string(R) + " shared_I=" + std::to_string(shared_I) +
+                                 (deterministic ? " deterministic" : " atomic");
+        expect_matches_reference(layer, io, what);
+        EXPECT_EQ(lb.ranks[0].invalid_id_count(lb.loopback.stream(0)), 2) << what;
+        // All tokens of every rank on the experts of one rank.
+        const int owner = static_cast<int>(rng.uniform_int(0, R - 1));
+        std::vector<RankIo> one = draw_inputs(rng, std::vector<int64_t>(R, max_t), H, E, 1,
+                                              static_cast<int>(owner * (E / R)));
+        const MoeLayer k1 = [&] {
+          MoeLayer l = layer;
+          l.routing.top_k = 1;
+          return l;
+        }();
+        LoopbackLayer lb1(k1, R, max_t, deterministic);
+        lb1.run(one);
+        expect_matches_reference(k1, one, what + " all tokens to rank " + std::to_string(owner));
+      }
+    }
+  }
+}
+
+// With world size 1 the layer is the single-GPU layer: the same bits as MoePlan + run.
+TEST(GpuEpLoopback, WorldSizeOneIsTheSingleGpuLayer) {
+  MEGAMOE_REQUIRE_GPU();
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
+  const int64_t H = 256, I = 512, E = 16, T = 9;
+  const int k = 4;
+  const MoeLayer layer = testing::random_layer(rng, H, I, E, k, 512);
+  LoopbackLayer lb(layer, 1, T, /*deterministic=*/true);
+  std::vector<RankIo> io = draw_inputs(rng, {T}, H, E, k);
+  lb.run(io);
+  MoeTuning tuning;
+  tuning.num_sms = lb.loopback.sms_per_rank();
+  testing::GpuMoe single(layer, T, /*deterministic=*/true, tuning);
+  EXPECT_EQ(io[0].d_out->download(), single.run(io[0].hidden, io[0].topk));
+  expect_matches_reference(layer, io, "R=1");
+}
+
+// Ranks delayed at random before they run still give the reference's answer.
+TEST(GpuEpLoopback, InjectedDelaysChangeNothing) {
+  MEGAMOE_REQUIRE_GPU();
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
+  const int64_t H = 256, I = 256, E = 32, max_t = 8;
+  const int k = 4, R = 4;
+  if (!loopback_available(R)) return;
+  const MoeLayer layer = testing::random_layer(rng, H, I, E, k, 256);
+  LoopbackLayer lb(layer, R, max_t, /*deterministic=*/true);
+  for (int round = 0; round < 4; ++round) {
+    std::vector<int64_t> tokens(R);
+    for (int r = 0; r < R; ++r) tokens[r] = rng.uniform_int(1, static_cast<int>(max_t));
+    std::vector<RankIo> io = draw_inputs(rng, tokens, H, E, k);
+    for (int r = 0; r < R; ++r) io[r].d_out->poison();
+    gpu::check_cuda(cudaDeviceSynchronize(), "inputs");
+    for (int r = 0; r < R; ++r) {
+      const uint64_t ns = static_cast<uint64_t>(rng.uniform_int(0, 2000)) * 1000;  // up to 2 ms
+      delay_kernel<<<1, 1, 0, lb.loopback.stream(r)>>>(ns);
+      lb.ranks[r].run(io[r].args(), lb.loopback.stream(r));
+    }
+    for (int r = 0; r < R; ++r) lb.ranks[r].check(lb.loopback.stream(r));
+    expect_matches_reference(layer, io, "delays, round " + std::to_string(round));
+  }
+}
+
+// Each rank's run captured in a graph with a bitwise comparison to the eager output; 10,000
+// replays of every rank together.
+TEST(GpuEpLoopback, GraphReplaysAreBitwiseIdentical) {
+  MEGAMOE_REQUIRE_GPU();
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
+  const int64_t H = 256, I = 256, E = 32, max_t = 6;
+  const int k = 4, R = 8, replays = 10000;
+  if (!loopback_available(R)) return;
+  const MoeLayer layer = testing::random_layer(rng, H, I, E, k, 256);
+  LoopbackLayer lb(layer, R, max_t, /*deterministic=*/true);
+  std::vector<int64_t> tokens(R);
+  for (int r = 0; r < R; ++r) tokens[r] = rng.uniform_int(0, static_cast<int>(max_t));
+  tokens[1] = max_t;
+  std::vector<RankIo> io = draw_inputs(rng, tokens, H, E, k);
+  lb.run(io);
+  expect_matches_reference(layer, io, "eager, before the graphs");
+  std::vector<std::vector<uint16_t>> eager(R);
+  std::vector<std::optional<DeviceBuffer<uint16_t>>> want(R);
+  DeviceBuffer<unsigned long long> mismatches(static_cast<size_t>(R));
+  mismatches.upload(std::vector<unsigned long long>(R, 0));
+  gpu::check_cuda(cudaDeviceSynchronize(), "inputs");
+  std::vector<cudaGraphExec_t> graphs(R, nullptr);
+  for (int r = 0; r < R; ++r) {
+    const cudaStream_t s = lb.loopback.stream(r);
+    if (tokens[r] > 0) {
+      eager[r] = io[r].d_out->download();
+      want[r].emplace(eager[r]);
+    }
+    cudaGraph_t g = nullptr;
+    gpu::check_cuda(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "capture");
+    lb.ranks[r].run(io[r].args(), s);
+    if (tokens[r] > 0) {
+      count_mismatches_kernel<<<8, 256, 0, s>>>(io[r].d_out->get(), want[r]->get(), tokens[r] * H,
+                                                mismatches.get() + r);
+    }
+    gpu::check_cuda(cudaStreamEndCapture(s, &g), "capture");
+    gpu::check_cuda(cudaGraphInstantiate(&graphs[r], g, 0), "instantiate");
+    cudaGraphDestroy(g);
+  }
+  gpu::check_cuda(cudaDeviceSynchronize(), "graphs");
+  for (int i = 0; i < replays; ++i) {
+    for (int r = 0; r < R; ++r) gpu::check_cuda(cudaGraphLaunch(graphs[r], lb.loopback.stream(r)), "replay");
+  }
+  for (int r = 0; r < R; ++r) lb.ranks[r].check(lb.loopback.stream(r));
+  const std::vector<unsigned long long> bad = mismatches.download();
+  for (int r = 0; r < R; ++r) {
+    EXPECT_EQ(bad[r], 0u) << "rank " << r << ": elements that differed from the eager output over " << replays
+                          << " replays";
+    cudaGraphExecDestroy(graphs[r]);
+  }
+  expect_matches_reference(layer, io, "after 10,000 replays");
+}
+
+// A rank that never runs: every rank that does fails within about one timeout, naming the stage,
+// and nothing hangs.
+TEST(GpuEpLoopback, ARankThatNeverArrivesFailsLoudly) {
+  MEGAMOE_REQUIRE_GPU();
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
+  const int64_t H = 256, I = 256, E = 32, max_t = 4;
+  const int k = 4, R = 4;
+  if (!loopback_available(R)) return;
+  const double timeout = 0.5;
+  const MoeLayer layer = testing::random_layer(rng, H, I, E, k);
+  LoopbackLayer lb(layer, R, max_t, /*deterministic=*/false, timeout);
+  std::vector<RankIo> io = draw_inputs(rng, std::vector<int64_t>(R, max_t), H, E, k);
+  gpu::check_cuda(cudaDeviceSynchronize(), "inputs");
+  const auto start = std::chrono::steady_clock::now();
+  for (int r = 0; r + 1 < R; ++r) lb.ranks[r].run(io[r].args(), lb.loopback.stream(r));  // rank R-1 never runs
+  for (int r = 0; r + 1 < R; ++r) {
+    try {
+      lb.ranks[r].check(lb.loopback.stream(r));
+      ADD_FAILURE() << "rank " << r << " did not report the missing peer";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kCuda);
+      const std::string m = e.what();
+      EXPECT_TRUE(m.find("never arrived") != std::string::npos || m.find("gave up") != std::string::npos) << m;
+      EXPECT_NE(m.find("dispatch barrier"), std::string::npos) << m;
+    }
+  }
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(waited, 1.8 * timeout + 0.5) << "the ranks waited more than about one timeout";
+  // A failed layer refuses to run again.
+  EXPECT_MEGAMOE_ERROR(lb.ranks[0].run(io[0].args(), lb.loopback.stream(0)), kCuda, "earlier run failed");
+}
+
+TEST(GpuEpLoopback, RefusesAWrongStreamOrConfig) {
+  MEGAMOE_REQUIRE_GPU();
+  if (!loopback_available(2)) return;
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
+  const MoeLayer layer = testing::random_layer(rng, 256, 256, 8, 2);
+  LoopbackLayer lb(layer, 2, 4, false);
+  std::vector<RankIo> io = draw_inputs(rng, {4, 4}, 256, 8, 2);
+  EXPECT_MEGAMOE_ERROR(lb.ranks[0].run(io[0].args(), nullptr), kInvalidArgument, "EpLoopback::stream(0)");
+  EpConfig cfg;
+  cfg.world_size = 4;
+  cfg.max_tokens_per_rank = 4;
+  EXPECT_MEGAMOE_ERROR(MoeEpLayer::create(ep_local_layer(layer, ep_expert_range(8, 4, 0)), 8, cfg, lb.loopback), kInvalidArgument, "the loopback has 2 virtual ranks");
+  EXPECT_MEGAMOE_ERROR(EpLoopback::create(9), kInvalidArgument, "1..8");
+  EXPECT_MEGAMOE_ERROR(lb.loopback.stream(2), kInvalidArgument, "out of range");
+}
+
+}  // namespace
+}  // namespace megamoe
