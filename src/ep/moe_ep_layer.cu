@@ -159,6 +159,14 @@ MoeEpLayer MoeEpLayer::create_on(const MoeLayer& local_layer, int64_t num_expert
     return out;
   }
 
+  // Loaded now, not at their first launch: a lazily loaded kernel waits for the running ones,
+  // which may be a peer's spin-wait for this very launch (the loopback's ranks share a GPU).
+  cudaFuncAttributes attributes{};
+  check_cuda(cudaFuncGetAttributes(&attributes, &k90::ep_dispatch_kernel), "load ep_dispatch_kernel");
+  check_cuda(cudaFuncGetAttributes(&attributes, &k90::ep_barrier_kernel), "load ep_barrier_kernel");
+  check_cuda(cudaFuncGetAttributes(&attributes, &k90::ep_return_kernel), "load ep_return_kernel");
+  check_cuda(cudaFuncGetAttributes(&attributes, &k90::ep_combine_kernel), "load ep_combine_kernel");
+
   // The rank's own experts, on what it receives from every rank (fp32 out).
   MoeLayer routed = local_layer;
   routed.shared_expert.reset();

@@ -67,6 +67,11 @@ class MoeBackend {
   virtual void run(const MoePlan& plan, const BackendWeights& weights, const MoeRunArgs& args,
                    cudaStream_t stream) const = 0;
   virtual int64_t invalid_id_count(const MoePlan& plan, const void* workspace, cudaStream_t stream) const = 0;
+  // Loads every kernel run() may launch (once per process; MoePlan::create calls it). Under CUDA's
+  // lazy loading a kernel is otherwise loaded at its first launch, which waits for the kernels
+  // running on the device: a deadlock where a peer on the same GPU spin-waits for this launch's
+  // stream (EpLoopback), and a stall inside a graph capture.
+  virtual void load_kernels() const = 0;
 };
 
 // Every row of this build, in the order kAuto asks them.

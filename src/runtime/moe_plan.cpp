@@ -83,6 +83,7 @@ MoePlan MoePlan::create(const MoeProblem& problem, const MoeTuning& tuning) {
                 "MoeTuning.num_sms = ", tuning.num_sms.value_or(0), " must be in 1..", device.num_sms,
                 " (the SMs of device ", device.device, ")");
   plan.num_sms_ = tuning.num_sms.value_or(device.num_sms);
+  for (const runtime::MoeBackend* row : plan.backends_) row->load_kernels();
   return plan;
 }
 

@@ -63,6 +63,13 @@ __global__ void count_mismatches_kernel(const uint16_t* got, const uint16_t* wan
 }
 
 bool loopback_available(int R) {
+  // The test's own kernels are loaded before any rank spin-waits (a lazily loaded kernel's first
+  // launch waits for the running ones).
+  cudaFuncAttributes a{};
+  for (const void* k : {reinterpret_cast<const void*>(&record_sm_kernel), reinterpret_cast<const void*>(&delay_kernel),
+                        reinterpret_cast<const void*>(&count_mismatches_kernel)}) {
+    gpu::check_cuda(cudaFuncGetAttributes(&a, k), "load test kernel");
+  }
   try {
     EpLoopback::create(R);
     return true;

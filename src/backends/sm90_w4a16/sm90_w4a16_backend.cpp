@@ -1,9 +1,13 @@
 // The (sm_90, w4a16) row of the backend table: bf16 activations, NVFP4 weights decoded exactly
 // in registers, bf16 wgmma (docs/design.md §3.1).
+#include <mutex>
+
 #include "backends/sm90_w4a16/sm90_w4a16_heuristics.h"
+#include "backends/sm90_w4a16/sm90_w4a16_launch.h"
 #include "backends/sm90_w4a16/sm90_w4a16_run.h"
 #include "backends/sm90_w4a16/sm90_w4a16_weights.h"
 #include "runtime/backend.h"
+#include "runtime/sm90/sm90_moe_pipeline.h"
 #include "runtime/sm90/sm90_moe_workspace.h"
 
 namespace megamoe::runtime {
@@ -31,6 +35,13 @@ class Sm90W4a16Backend final : public MoeBackend {
   }
   int64_t invalid_id_count(const MoePlan& plan, const void* workspace, cudaStream_t stream) const override {
     return read_invalid_id_count(plan.problem(), workspace, stream);
+  }
+  void load_kernels() const override {
+    static std::once_flag once;
+    std::call_once(once, [] {
+      load_pipeline_kernels();
+      load_w4a16_kernels();
+    });
   }
 };
 

@@ -46,4 +46,15 @@ void launch_w4a16_fused(const MoeConfig& c, const kernels::sm90::W4a16FusedParam
       std::make_integer_sequence<int, kW4a16TileCount>{});
 }
 
+void load_w4a16_kernels() {
+  for_each_tile(
+      [](auto index) {
+        constexpr int kTile = decltype(index)::value;
+        w4a16_tile_blocks_per_sm<kTile, true>();
+        w4a16_tile_blocks_per_sm<kTile, false>();
+        if constexpr (kW4a16Tiles[kTile].fusable) w4a16_fused_blocks_per_sm<kTile>();
+      },
+      std::make_integer_sequence<int, kW4a16TileCount>{});
+}
+
 }  // namespace megamoe::runtime

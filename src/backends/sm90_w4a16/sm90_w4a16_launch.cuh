@@ -13,37 +13,63 @@
 
 namespace megamoe::runtime {
 
+namespace w4a16_detail {
+
 template <int kTile, bool kIsL1>
-void launch_w4a16_tile(const kernels::sm90::W4a16GemmParams& params, const GemmGrid& grid) {
-  namespace k90 = kernels::sm90;
-  constexpr W4a16TileEntry kEntry = kW4a16Tiles[kTile];
-  constexpr GemmConfig kT = kEntry.config;
-  static_assert(k90::detail::kTileStep<kT.block_n> == kT.tile_step(),
+struct TileKernel {
+  static constexpr W4a16TileEntry kEntry = kW4a16Tiles[kTile];
+  static constexpr GemmConfig kT = kEntry.config;
+  static_assert(kernels::sm90::detail::kTileStep<kT.block_n> == kT.tile_step(),
                 "the kernel's tile step (kTileStep in sm90_w4a16_tile.cuh) must be the table entry's "
                 "block_n - last_tile_extra");
-  using Smem = k90::W4a16SmemLayout<kT.warpgroups, kT.block_n, kT.stages>;
-  constexpr int kThreads = kT.warpgroups * 128;
-  auto* kernel =
-      &k90::w4a16_grouped_gemm_kernel<kIsL1, kT.warpgroups, kT.block_n, kT.stages, kEntry.ctas_per_sm, kT.overlapped>;
-  static const int blocks_per_sm = prepare_kernel(kernel, kThreads, Smem::kAllocBytes);
+  using Smem = kernels::sm90::W4a16SmemLayout<kT.warpgroups, kT.block_n, kT.stages>;
+  static constexpr int kThreads = kT.warpgroups * 128;
+  static constexpr auto kernel = &kernels::sm90::w4a16_grouped_gemm_kernel<kIsL1, kT.warpgroups, kT.block_n, kT.stages,
+                                                                           kEntry.ctas_per_sm, kT.overlapped>;
+};
+
+template <int kTile>
+struct FusedKernel {
+  static constexpr W4a16TileEntry kEntry = kW4a16Tiles[kTile];
+  static constexpr GemmConfig kT = kEntry.config;
+  static_assert(kEntry.fusable && kT.warpgroups == 1 && !kT.overlapped,
+                "the fused kernel runs the one-warpgroup decode tiles: mark only those fusable");
+  using Smem = kernels::sm90::W4a16SmemLayout<1, kT.block_n, kT.stages>;
+  static constexpr auto kernel = &kernels::sm90::w4a16_fused_moe_kernel<1, kT.block_n, kT.stages, kEntry.ctas_per_sm>;
+};
+
+}  // namespace w4a16_detail
+
+template <int kTile, bool kIsL1>
+int w4a16_tile_blocks_per_sm() {
+  using K = w4a16_detail::TileKernel<kTile, kIsL1>;
+  static const int blocks_per_sm = prepare_kernel(K::kernel, K::kThreads, K::Smem::kAllocBytes);
+  return blocks_per_sm;
+}
+
+template <int kTile>
+int w4a16_fused_blocks_per_sm() {
+  using K = w4a16_detail::FusedKernel<kTile>;
+  static const int blocks_per_sm = prepare_kernel(K::kernel, 128, K::Smem::kAllocBytes);
+  return blocks_per_sm;
+}
+
+template <int kTile, bool kIsL1>
+void launch_w4a16_tile(const kernels::sm90::W4a16GemmParams& params, const GemmGrid& grid) {
+  using K = w4a16_detail::TileKernel<kTile, kIsL1>;
+  const int blocks_per_sm = w4a16_tile_blocks_per_sm<kTile, kIsL1>();
   const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(int64_t{grid.num_sms} * blocks_per_sm, grid.max_work));
-  launch_dependent(kernel, static_cast<unsigned>(ctas), kThreads, Smem::kAllocBytes, grid.stream, params);
+  launch_dependent(K::kernel, static_cast<unsigned>(ctas), K::kThreads, K::Smem::kAllocBytes, grid.stream, params);
 }
 
 template <int kTile>
 void launch_w4a16_fused_tile(const kernels::sm90::W4a16FusedParams& params, const GemmGrid& grid) {
-  namespace k90 = kernels::sm90;
-  constexpr W4a16TileEntry kEntry = kW4a16Tiles[kTile];
-  constexpr GemmConfig kT = kEntry.config;
-  static_assert(kEntry.fusable && kT.warpgroups == 1 && !kT.overlapped,
-                "the fused kernel runs the one-warpgroup decode tiles: mark only those fusable");
-  using Smem = k90::W4a16SmemLayout<1, kT.block_n, kT.stages>;
-  auto* kernel = &k90::w4a16_fused_moe_kernel<1, kT.block_n, kT.stages, kEntry.ctas_per_sm>;
-  static const int blocks_per_sm = prepare_kernel(kernel, 128, Smem::kAllocBytes);
+  using K = w4a16_detail::FusedKernel<kTile>;
+  const int blocks_per_sm = w4a16_fused_blocks_per_sm<kTile>();
   // Every CTA must be resident at once (L2 items wait for L1 items held by other CTAs): the grid
   // never exceeds the occupancy of all the device's SMs (see MoeTuning::fused for the limits).
   const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(int64_t{grid.num_sms} * blocks_per_sm, grid.max_work));
-  launch_dependent(kernel, static_cast<unsigned>(ctas), 128, Smem::kAllocBytes, grid.stream, params);
+  launch_dependent(K::kernel, static_cast<unsigned>(ctas), 128, K::Smem::kAllocBytes, grid.stream, params);
 }
 
 }  // namespace megamoe::runtime
@@ -51,7 +77,9 @@ void launch_w4a16_fused_tile(const kernels::sm90::W4a16FusedParams& params, cons
 // The explicit instantiations of one table entry's kernels (one per translation unit).
 #define MEGAMOE_W4A16_GEMM_INSTANCE(kTile, kIsL1)                                                    \
   template void megamoe::runtime::launch_w4a16_tile<megamoe::kTile, kIsL1>(                           \
-      const megamoe::kernels::sm90::W4a16GemmParams&, const megamoe::runtime::GemmGrid&);
+      const megamoe::kernels::sm90::W4a16GemmParams&, const megamoe::runtime::GemmGrid&);            \
+  template int megamoe::runtime::w4a16_tile_blocks_per_sm<megamoe::kTile, kIsL1>();
 #define MEGAMOE_W4A16_FUSED_INSTANCE(kTile)                                                           \
   template void megamoe::runtime::launch_w4a16_fused_tile<megamoe::kTile>(                            \
-      const megamoe::kernels::sm90::W4a16FusedParams&, const megamoe::runtime::GemmGrid&);
+      const megamoe::kernels::sm90::W4a16FusedParams&, const megamoe::runtime::GemmGrid&);           \
+  template int megamoe::runtime::w4a16_fused_blocks_per_sm<megamoe::kTile>();

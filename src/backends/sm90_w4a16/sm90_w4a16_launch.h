@@ -27,11 +27,19 @@ void launch_w4a16_gemm(const GemmConfig& c, const kernels::sm90::W4a16GemmParams
 // The fused L1 + L2 launch on a fusable tile (MoeConfig::can_fuse).
 void launch_w4a16_fused(const MoeConfig& c, const kernels::sm90::W4a16FusedParams& params, const GemmGrid& grid);
 
+// Loads every instantiated kernel and sets its attributes (MoeBackend::load_kernels).
+void load_w4a16_kernels();
+
 // The kernels of table entry kTile (defined in sm90_w4a16_launch.cuh, instantiated under
-// instantiations/).
+// instantiations/); *_blocks_per_sm loads one and sets its attributes (once), returning its
+// occupancy.
 template <int kTile, bool kIsL1>
 void launch_w4a16_tile(const kernels::sm90::W4a16GemmParams& params, const GemmGrid& grid);
 template <int kTile>
 void launch_w4a16_fused_tile(const kernels::sm90::W4a16FusedParams& params, const GemmGrid& grid);
+template <int kTile, bool kIsL1>
+int w4a16_tile_blocks_per_sm();
+template <int kTile>
+int w4a16_fused_blocks_per_sm();
 
 }  // namespace megamoe::runtime

@@ -93,6 +93,14 @@ k90::CombineParams combine_params(const PipelineRun& r, const k90::DispatchParam
   return c;
 }
 
+void load_pipeline_kernels() {
+  cudaFuncAttributes a{};
+  gpu::check_cuda(cudaFuncGetAttributes(&a, &k90::moe_dispatch_kernel), "load moe_dispatch_kernel");
+  gpu::check_cuda(cudaFuncGetAttributes(&a, &k90::moe_dispatch_count_kernel), "load moe_dispatch_count_kernel");
+  gpu::check_cuda(cudaFuncGetAttributes(&a, &k90::moe_dispatch_place_kernel), "load moe_dispatch_place_kernel");
+  gpu::check_cuda(cudaFuncGetAttributes(&a, &k90::moe_combine_kernel), "load moe_combine_kernel");
+}
+
 void launch_combine(const k90::CombineParams& c, int num_sms, cudaStream_t stream) {
   const int64_t vecs = c.tokens * c.hidden / 8;
   const int64_t blocks = std::min<int64_t>((vecs + 255) / 256, int64_t{num_sms} * 8);

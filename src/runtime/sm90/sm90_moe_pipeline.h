@@ -45,4 +45,7 @@ void launch_dispatch(kernels::sm90::DispatchParams d, int64_t selections, cudaSt
 kernels::sm90::CombineParams combine_params(const PipelineRun& r, const kernels::sm90::DispatchParams& d);
 void launch_combine(const kernels::sm90::CombineParams& c, int num_sms, cudaStream_t stream);
 
+// Loads the dispatch and combine kernels (MoeBackend::load_kernels).
+void load_pipeline_kernels();
+
 }  // namespace megamoe::runtime
