@@ -120,19 +120,22 @@ int run_ep_loopback_bench(const EpBenchOptions& opt) {
   std::vector<MoeEpLayer::StageEvents> stages(R);
   for (int r = 0; r < R; ++r) {
     check_cuda(cudaEventCreate(&ends[r]), "cudaEventCreate");
-    for (cudaEvent_t* e : {&stages[r].start, &stages[r].dispatched, &stages[r].computed, &stages[r].returned,
+    for (cudaEvent_t* e : {&stages[r].start, &stages[r].sent, &stages[r].computed, &stages[r].returned,
                            &stages[r].done}) {
       check_cuda(cudaEventCreate(e), "cudaEventCreate");
     }
   }
 
+  // Long enough for the host to enqueue every rank's run behind the release (eager runs launch
+  // about ten kernels each).
+  const uint64_t hold_ns = uint64_t{100000} * static_cast<uint64_t>(R);
   bool all_pass = true;
   nlohmann::json points = nlohmann::json::array();
   std::printf("\n## megamoe bench --ep-loopback %d: %s layer %lld (H=%lld, E=%lld, top_k=%d), %s, %d SMs per "
               "virtual rank\n", R, opt.checkpoint.empty() ? opt.preset.c_str() : ckpt_dir.c_str(),
               (long long)layer_index, (long long)H, (long long)E, k, prop.name, loopback.sms_per_rank());
   std::printf("(SM partitions of one GPU exchanging through its memory: not a multi-GPU figure)\n\n");
-  std::printf("| T/rank | layer µs | eager µs | dispatch µs | local µs | return µs | combine µs | exchange share | "
+  std::printf("| T/rank | layer µs | eager µs | send µs | local (wait + experts) µs | return µs | combine (wait + sum) µs | exchange share | "
               "rel L2 | check |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
   for (const int64_t T : opt.tokens_per_rank) {
     std::vector<RankInputs> in(R);
@@ -151,12 +154,17 @@ int run_ep_loopback_bench(const EpBenchOptions& opt) {
     }
     check_cuda(cudaDeviceSynchronize(), "inputs");  // the ranks' streams do not wait for the null stream
 
-    // Eager runs with stage events: the stages of the slowest rank (by its whole run), medians.
-    std::vector<double> eager, dispatch, local, ret, combine;
+    // Eager runs with stage events, released together as the replays below: the stages of the
+    // slowest rank (by its whole run), medians.
+    std::vector<double> eager, send, local, ret, combine;
     for (int it = 0; it < opt.iters + 3; ++it) {
       flush.run(kick, it);
-      check_cuda(cudaStreamSynchronize(kick), "flush");
-      for (int r = 0; r < R; ++r) ranks[r].run(in[r].args(), loopback.stream(r), stages[r]);
+      hold_stream(kick, hold_ns);
+      check_cuda(cudaEventRecord(release, kick), "cudaEventRecord");
+      for (int r = 0; r < R; ++r) {
+        check_cuda(cudaStreamWaitEvent(loopback.stream(r), release, 0), "cudaStreamWaitEvent");
+        ranks[r].run(in[r].args(), loopback.stream(r), stages[r]);
+      }
       for (int r = 0; r < R; ++r) ranks[r].check(loopback.stream(r));
       if (it < 3) continue;
       int slowest = 0;
@@ -167,8 +175,8 @@ int run_ep_loopback_bench(const EpBenchOptions& opt) {
       }
       const MoeEpLayer::StageEvents& s = stages[slowest];
       eager.push_back(slowest_us);
-      dispatch.push_back(elapsed_us(s.start, s.dispatched));
-      local.push_back(elapsed_us(s.dispatched, s.computed));
+      send.push_back(elapsed_us(s.start, s.sent));
+      local.push_back(elapsed_us(s.sent, s.computed));
       ret.push_back(elapsed_us(s.computed, s.returned));
       combine.push_back(elapsed_us(s.returned, s.done));
     }
@@ -186,8 +194,8 @@ int run_ep_loopback_bench(const EpBenchOptions& opt) {
     const bool pass = nonfinite_total == 0 && worst <= kEpMaxRelL2;
     all_pass = all_pass && pass;
 
-    // Graph replays: every rank's graph waits for the release, recorded on `kick` after a hold
-    // long enough for the host to enqueue them all; the time is release → the last rank's end.
+    // Graph replays: every rank's graph waits for the release, recorded on `kick` after the hold;
+    // the time is release → the last rank's end.
     std::vector<std::unique_ptr<Graph>> graphs;
     for (int r = 0; r < R; ++r) {
       graphs.push_back(std::make_unique<Graph>(loopback.stream(r), [&] { ranks[r].run(in[r].args(), loopback.stream(r)); }));
@@ -195,7 +203,7 @@ int run_ep_loopback_bench(const EpBenchOptions& opt) {
     std::vector<double> layer_us;
     for (int it = 0; it < opt.iters + 3; ++it) {
       flush.run(kick, it);
-      hold_stream(kick, uint64_t{30000} * static_cast<uint64_t>(R));
+      hold_stream(kick, hold_ns);
       check_cuda(cudaEventRecord(release, kick), "cudaEventRecord");
       for (int r = 0; r < R; ++r) {
         check_cuda(cudaStreamWaitEvent(loopback.stream(r), release, 0), "cudaStreamWaitEvent");
@@ -211,12 +219,12 @@ int run_ep_loopback_bench(const EpBenchOptions& opt) {
     }
     for (int r = 0; r < R; ++r) ranks[r].check(loopback.stream(r));
 
-    const double d = median(dispatch), l = median(local), rt = median(ret), c = median(combine), e = median(eager);
+    const double d = median(send), l = median(local), rt = median(ret), c = median(combine), e = median(eager);
     const double share = (d + rt + c) / std::max(1e-9, d + l + rt + c);
     std::printf("| %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.0f%% | %.2e | %s |\n", (long long)T,
                 median(layer_us), e, d, l, rt, c, 100.0 * share, worst, pass ? "pass" : "FAIL");
     std::fflush(stdout);
-    points.push_back({{"tokens_per_rank", T}, {"layer_us", median(layer_us)}, {"eager_us", e}, {"dispatch_us", d},
+    points.push_back({{"tokens_per_rank", T}, {"layer_us", median(layer_us)}, {"eager_us", e}, {"send_us", d},
                       {"local_us", l}, {"return_us", rt}, {"combine_us", c}, {"exchange_share", share},
                       {"rel_l2", worst}, {"pass", pass}});
   }
@@ -232,7 +240,7 @@ int run_ep_loopback_bench(const EpBenchOptions& opt) {
   }
   for (cudaEvent_t e : ends) cudaEventDestroy(e);
   for (auto& s : stages) {
-    for (cudaEvent_t e : {s.start, s.dispatched, s.computed, s.returned, s.done}) cudaEventDestroy(e);
+    for (cudaEvent_t e : {s.start, s.sent, s.computed, s.returned, s.done}) cudaEventDestroy(e);
   }
   cudaEventDestroy(release);
   cudaStreamDestroy(kick);

@@ -8,15 +8,18 @@
 // pointers, i.e. plain loads and stores over NVLink; no NVLink multicast (the library sets
 // NCCL_NVLS_ENABLE=0 before it creates a communicator, and never asks for multimem).
 //
-// Per run, all device-initiated (no host synchronisation, CUDA-graph capturable):
-//   dispatch   each token crosses NVLink once per destination rank that owns any of its experts;
-//   barrier    every rank's dispatch has landed (bounded wait: a peer that never arrives fails the
-//              run within EpConfig::timeout_seconds instead of hanging it);
-//   local      the rank's experts on what it received (fp32 out), the shared expert on its own
-//              tokens;
-//   return     each received token's weighted fp32 partial sum goes back to its source rank;
-//   barrier    every partial sum has landed;
-//   combine    Σ over ranks in rank order (+ shared expert), one bf16 rounding.
+// Per run, all device-initiated (no host synchronisation, no memset, CUDA-graph capturable;
+// docs/design.md §7):
+//   send      each token crosses NVLink once per rank that owns any of its experts, packed with its
+//             ids and weights for that rank; then one {epoch, rows} word per destination;
+//   local     the shared expert on the rank's own tokens; the rank's experts on the rows that
+//             arrived (its dispatch waits on the device for every source's word, bounded: a peer
+//             that never arrives fails the run within EpConfig::timeout_seconds);
+//   return    each received row's fp32 partial sum goes straight to its source's slot; one done
+//             word per source;
+//   combine   waits for every done word; Σ over ranks in rank order (+ shared expert), one bf16
+//             rounding: bitwise the same whatever order the rows arrived in.
+// With world size 1 there is no exchange: the layer is the single-GPU layer on the rank's tokens.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -52,7 +55,7 @@ struct EpConfig {
   int rank = 0;                      // this process's rank, 0..R-1; it runs on CUDA device `device`
   int device = 0;
   int64_t max_tokens_per_rank = 0;   // the largest T any rank passes to run()
-  double timeout_seconds = 60.0;     // a barrier that waits longer fails the run (check())
+  double timeout_seconds = 60.0;     // a wait for the peers that lasts longer fails the run (check())
   // The GEMMs' arithmetic on every rank: MoeProblem::precision of the rank's plans, validated the
   // same way (a precision no GPU kernel serves makes create() throw kUnsupported).
   Precision precision = Precision::kW4a16;
@@ -131,15 +134,18 @@ class MoeEpLayer {
   // call run() the same number of times. Launches only: no allocation, no host synchronisation.
   void run(const MoeRunArgs& args, cudaStream_t stream);
   // The same, recording `stages` on `stream` between the stages, for benchmarks (eager runs, not
-  // graph capture): the exchange's share of a run is start→dispatched, computed→returned and
-  // returned→done (each includes the wait for the slowest peer).
+  // graph capture): start→sent the send; sent→computed the shared expert and the rank's experts,
+  // including the wait for the peers' rows; computed→returned the return; returned→done the
+  // wait for the peers' partial sums and the combine.
   struct StageEvents {
-    cudaEvent_t start, dispatched, computed, returned, done;
+    cudaEvent_t start, sent, computed, returned, done;
   };
   void run(const MoeRunArgs& args, cudaStream_t stream, const StageEvents& stages);
 
-  // Synchronises `stream` and throws megamoe::Error(kCuda) if a barrier of any earlier run timed
-  // out (a peer never arrived: the outputs of that run are undefined), or with the CUDA error.
+  // Synchronises `stream` and throws megamoe::Error(kCuda) if a wait of any earlier run failed (a
+  // peer never arrived, or gave up: the outputs since are undefined; the message names the rank
+  // that gave up first and where), or with the CUDA error. A replayed graph's failure surfaces
+  // here too.
   void check(cudaStream_t stream) const;
   // Top-k ids outside [0, E) seen by the last run (synchronises `stream`).
   int64_t invalid_id_count(cudaStream_t stream) const;

@@ -1,7 +1,6 @@
 // What the expert-parallel exchange keeps in each rank's window (ep_transport.h), identical on
-// every rank: the barriers' signal words and the offsets of the receive and return buffers in the
-// window's data bytes. Plain C++: the kernels (sm90_ep_exchange.cuh), the layer and the tests
-// read it from here.
+// every rank: the signal words and the offsets of the receive and return buffers in the window's
+// data bytes. Plain C++: the kernels (sm90_ep_exchange.cuh), the layer and the tests read it.
 #pragma once
 
 #include <cstdint>
@@ -10,19 +9,24 @@
 
 namespace megamoe::ep {
 
-// Signal words: [2 barriers (after dispatch, after return)][R sources] uint64, the epoch each
-// source has reached; slots for kMaxRanks sources whatever R, so a barrier's slot of source s is
-// barrier * kMaxRanks + s.
-inline constexpr int kBarriers = 2;
-inline constexpr size_t kFlagWords = size_t{kBarriers} * kMaxRanks;
+// Signal words (sm90_signal.cuh's format), slots for kMaxRanks peers whatever R:
+//   sent[s]     source s has sent its rows of this run here: {epoch, rows}
+//   done[d]     destination d has written its partial sums of this run here: {epoch, 0}
+//   recv_count  the rows reserved here this run (the sources' atomics; reset by the return)
+inline constexpr int kSentWord = 0;
+inline constexpr int kDoneWord = kMaxRanks;
+inline constexpr int kRecvCountWord = 2 * kMaxRanks;
+inline constexpr size_t kFlagWords = 2 * kMaxRanks + 1;
 
-// Byte offsets into the data bytes; every buffer starts 256-byte aligned.
-//   recv_x    [R sources][max_t][H] bf16: the tokens each source sent here
-//   recv_ids  [R][max_t][k] int32: their top-k ids as this rank's local expert ids, -1 elsewhere
-//   recv_w    [R][max_t][k] fp32: their routing weights
+// Byte offsets into the data bytes; every buffer starts 256-byte aligned. The receive buffers
+// hold the rows that arrived this run, contiguous from row 0 in arrival order (at most R * max_t).
+//   recv_x    [R * max_t][H] bf16: the tokens
+//   recv_ids  [R * max_t][k] int32: their top-k ids as this rank's local expert ids, -1 elsewhere
+//   recv_w    [R * max_t][k] fp32: their routing weights (0 where the id is -1)
+//   recv_src  [R * max_t] int32: source rank << 24 | the token's row at its source
 //   ret       [R][max_t][H] fp32: this rank's tokens' partial sums, as each rank returns them
 struct EpWindowLayout {
-  int64_t recv_x, recv_ids, recv_w, ret;
+  int64_t recv_x, recv_ids, recv_w, recv_src, ret;
   int64_t bytes;  // the data bytes the window needs
 };
 
@@ -38,6 +42,7 @@ constexpr EpWindowLayout ep_window_layout(int world, int64_t max_t, int64_t hidd
   l.recv_x = take(rows * hidden * 2);
   l.recv_ids = take(rows * top_k * 4);
   l.recv_w = take(rows * top_k * 4);
+  l.recv_src = take(rows * 4);
   l.ret = take(rows * hidden * 4);
   l.bytes = off;
   return l;

@@ -18,6 +18,8 @@
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
 #include "megamoe/gpu.h"
+#include "runtime/backend.h"
+#include "runtime/sm90/sm90_launch_util.h"
 
 namespace megamoe {
 
@@ -96,9 +98,7 @@ struct MoeEpLayer::Impl {
   float* shared_w = nullptr;      // [max_t] ones
   float* local_out = nullptr;     // [R * max_t, H]
   float* shared_out = nullptr;    // [max_t, H]
-  uint64_t* epochs = nullptr;     // [ep::kBarriers]
-  int32_t* invalid = nullptr;     // [1]
-  int32_t* failed = nullptr;      // [1] device copy of the error word
+  k90::EpState* state = nullptr;  // the exchange's epochs, counters and failure word
   int32_t* error_host = nullptr;  // host-mapped
   int32_t* error_dev = nullptr;
   ~Impl() {
@@ -162,12 +162,13 @@ MoeEpLayer MoeEpLayer::create_on(const MoeLayer& local_layer, int64_t num_expert
   // Loaded now, not at their first launch: a lazily loaded kernel waits for the running ones,
   // which may be a peer's spin-wait for this very launch (the loopback's ranks share a GPU).
   cudaFuncAttributes attributes{};
-  check_cuda(cudaFuncGetAttributes(&attributes, &k90::ep_dispatch_kernel), "load ep_dispatch_kernel");
-  check_cuda(cudaFuncGetAttributes(&attributes, &k90::ep_barrier_kernel), "load ep_barrier_kernel");
+  check_cuda(cudaFuncGetAttributes(&attributes, &k90::ep_send_kernel), "load ep_send_kernel");
   check_cuda(cudaFuncGetAttributes(&attributes, &k90::ep_return_kernel), "load ep_return_kernel");
   check_cuda(cudaFuncGetAttributes(&attributes, &k90::ep_combine_kernel), "load ep_combine_kernel");
 
-  // The rank's own experts, on what it receives from every rank (fp32 out).
+  // The rank's own experts, on the rows that arrive from every rank (fp32 out). Gated
+  // (run_gated): deterministic, so that no accumulator of R * max_t rows is zeroed per run, and
+  // without early start, whose schedule needs the ids at launch.
   MoeLayer routed = local_layer;
   routed.shared_expert.reset();
   MoeProblem rp;
@@ -177,9 +178,11 @@ MoeEpLayer MoeEpLayer::create_on(const MoeLayer& local_layer, int64_t num_expert
   rp.top_k = k;
   rp.max_tokens = R * max_t;
   rp.swiglu_limit = local_layer.swiglu_limit;
-  rp.deterministic = deterministic;
+  rp.deterministic = true;
   rp.precision = config.precision;
-  m.routed_plan = MoePlan::create(rp, tuning);
+  MoeTuning routed_tuning = tuning;
+  routed_tuning.early_start = false;
+  m.routed_plan = MoePlan::create(rp, routed_tuning);
   m.routed_weights = MoeDeviceWeights::upload(routed);
 
   // The shared expert on the rank's own tokens: a one-expert layer, every token's weight 1.
@@ -206,11 +209,8 @@ MoeEpLayer MoeEpLayer::create_on(const MoeLayer& local_layer, int64_t num_expert
   }
   m.routed_ws = m.mem.alloc<uint8_t>(m.routed_plan->workspace_bytes());
   m.local_out = m.mem.alloc<float>(static_cast<size_t>(R * max_t * H));
-  m.epochs = m.mem.alloc<uint64_t>(ep::kBarriers);
-  m.invalid = m.mem.alloc<int32_t>(1);
-  m.failed = m.mem.alloc<int32_t>(1);
-  check_cuda(cudaMemset(m.epochs, 0, ep::kBarriers * sizeof(uint64_t)), "cudaMemset");
-  check_cuda(cudaMemset(m.failed, 0, sizeof(int32_t)), "cudaMemset");
+  m.state = m.mem.alloc<k90::EpState>(1);
+  check_cuda(cudaMemset(m.state, 0, sizeof(k90::EpState)), "cudaMemset");
   check_cuda(cudaHostAlloc(&m.error_host, sizeof(int32_t), cudaHostAllocMapped), "cudaHostAlloc(error word)");
   *m.error_host = 0;
   check_cuda(cudaHostGetDevicePointer(&m.error_dev, m.error_host, 0), "cudaHostGetDevicePointer");
@@ -275,7 +275,7 @@ void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const S
                 m.cfg.rank, ")");
   if (m.single) {
     mark(&StageEvents::start);
-    mark(&StageEvents::dispatched);
+    mark(&StageEvents::sent);
     if (args.tokens > 0) {
       MoeRunArgs local = args;
       local.workspace = m.routed_ws;
@@ -286,7 +286,7 @@ void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const S
     mark(&StageEvents::done);
     return;
   }
-  // Host-mapped, so readable without a synchronisation: a layer whose barrier failed is unusable.
+  // Host-mapped, so readable without a synchronisation: a layer whose exchange failed is unusable.
   const int32_t failed = *reinterpret_cast<volatile int32_t*>(m.error_host);
   MEGAMOE_CHECK(failed == 0, kCuda, "MoeEpLayer::run: an earlier run failed (see check()); destroy and re-create the "
                 "layer on every rank");
@@ -305,34 +305,24 @@ void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const S
   p.topk_ids = args.topk_ids;
   p.topk_w = args.topk_weights;
   p.tokens = args.tokens;
-  p.invalid_ids = m.invalid;
   p.local_out = m.local_out;
-  p.shared_out = m.shared_plan ? m.shared_out : nullptr;
+  p.shared_out = m.shared_plan && args.tokens > 0 ? m.shared_out : nullptr;
   p.out = reinterpret_cast<__nv_bfloat16*>(args.output);
-  p.epochs = m.epochs;
-  p.error = m.error_dev;
-  p.failed = m.failed;
-  p.timeout_ns = static_cast<uint64_t>(m.cfg.timeout_seconds * 1e9);
+  p.state = m.state;
+  p.failure.timeout_ns = static_cast<uint64_t>(m.cfg.timeout_seconds * 1e9);
+  p.failure.failed = &m.state->failed;
+  p.failure.error = m.error_dev;
+  p.failure.rank = m.cfg.rank;
+  for (int d = 0; d < R; ++d) {
+    p.failure.targets[p.failure.target_count++] = p.peers.flags[d] + ep::kSentWord + m.cfg.rank;
+    p.failure.targets[p.failure.target_count++] = p.peers.flags[d] + ep::kDoneWord + m.cfg.rank;
+  }
 
-  const unsigned rows_blocks = static_cast<unsigned>(std::min<int64_t>((R * max_t * 32 + 255) / 256, 1024));
   mark(&StageEvents::start);
-  check_cuda(cudaMemsetAsync(m.invalid, 0, 4, stream), "cudaMemsetAsync");
-  k90::ep_dispatch_kernel<<<rows_blocks, 256, 0, stream>>>(p);
-  check_cuda(cudaGetLastError(), "ep_dispatch_kernel launch");
-  k90::ep_barrier_kernel<<<1, 32, 0, stream>>>(p, 0);
-  check_cuda(cudaGetLastError(), "ep_barrier_kernel launch");
-  mark(&StageEvents::dispatched);
-
-  // This rank's experts on every row it may have received (rows not sent here carry ids -1).
-  const char* window = m.transport->local_base();
-  MoeRunArgs local{};
-  local.hidden = reinterpret_cast<const uint16_t*>(window + m.layout.recv_x);
-  local.topk_ids = reinterpret_cast<const int32_t*>(window + m.layout.recv_ids);
-  local.topk_weights = reinterpret_cast<const float*>(window + m.layout.recv_w);
-  local.tokens = R * max_t;
-  local.output_f32 = m.local_out;
-  local.workspace = m.routed_ws;
-  megamoe::run(*m.routed_plan, *m.routed_weights, local, stream);
+  const unsigned send_blocks = static_cast<unsigned>(std::clamp<int64_t>((args.tokens + 7) / 8, 1, 1024));
+  k90::ep_send_kernel<<<send_blocks, 256, 0, stream>>>(p);
+  check_cuda(cudaGetLastError(), "ep_send_kernel launch");
+  // The shared expert on this rank's own tokens, while the peers' rows are on their way.
   if (m.shared_plan && args.tokens > 0) {
     MoeRunArgs shared{};
     shared.hidden = args.hidden;
@@ -343,24 +333,48 @@ void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const S
     shared.workspace = m.shared_ws;
     megamoe::run(*m.shared_plan, *m.shared_weights, shared, stream);
   }
+  mark(&StageEvents::sent);
 
+  // This rank's experts on the rows that arrive: the gated dispatch waits for every source's
+  // {epoch, rows} word and takes the rows reserved in the receive count. Configured for as many
+  // rows as this rank has tokens (a balanced batch sends each rank about that many selections).
+  const char* window = m.transport->local_base();
+  MoeRunArgs local{};
+  local.hidden = reinterpret_cast<const uint16_t*>(window + m.layout.recv_x);
+  local.topk_ids = reinterpret_cast<const int32_t*>(window + m.layout.recv_ids);
+  local.topk_weights = reinterpret_cast<const float*>(window + m.layout.recv_w);
+  local.tokens = R * max_t;
+  local.output_f32 = m.local_out;
+  local.workspace = m.routed_ws;
+  runtime::GatedTokens gated;
+  gated.gate.words = m.transport->peers().flags[m.cfg.rank] + ep::kSentWord;
+  gated.gate.producers = R;
+  gated.gate.stage = k90::EpFailure::kStageDispatch;
+  gated.gate.count =
+      reinterpret_cast<const unsigned long long*>(m.transport->peers().flags[m.cfg.rank] + ep::kRecvCountWord);
+  gated.gate.epoch = &m.state->epoch;
+  gated.gate.rows = &m.state->rows;
+  gated.gate.failure = p.failure;
+  gated.hint = std::min<int64_t>(std::max<int64_t>(args.tokens, 1), local.tokens);
+  runtime::run_gated(*m.routed_plan, *m.routed_weights, local, gated, stream);
   mark(&StageEvents::computed);
-  k90::ep_return_kernel<<<rows_blocks, 256, 0, stream>>>(p);
-  check_cuda(cudaGetLastError(), "ep_return_kernel launch");
-  k90::ep_barrier_kernel<<<1, 32, 0, stream>>>(p, 1);
-  check_cuda(cudaGetLastError(), "ep_barrier_kernel launch");
+
+  const int num_sms = m.routed_plan->num_sms();
+  const unsigned return_blocks = static_cast<unsigned>(std::clamp<int64_t>((R * max_t + 7) / 8, 1, 2 * num_sms));
+  runtime::launch_dependent(&k90::ep_return_kernel, return_blocks, 256, 0, stream, p);
   mark(&StageEvents::returned);
-  if (args.tokens > 0) {
-    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(args.tokens, 1024));
-    k90::ep_combine_kernel<<<blocks, 256, 0, stream>>>(p);
-    check_cuda(cudaGetLastError(), "ep_combine_kernel launch");
-  }
+  const unsigned combine_blocks = static_cast<unsigned>(std::clamp<int64_t>(args.tokens, 1, 1024));
+  runtime::launch_dependent(&k90::ep_combine_kernel, combine_blocks, 256, 0, stream, p);
   mark(&StageEvents::done);
 }
 
 namespace {
 
-const char* barrier_name(int32_t stage) { return stage == 1 ? "dispatch" : stage == 2 ? "return" : "unknown"; }
+const char* stage_name(int32_t stage) {
+  return stage == k90::EpFailure::kStageDispatch  ? "for its peers' rows (dispatch)"
+         : stage == k90::EpFailure::kStageCombine ? "for its peers' partial sums (combine)"
+                                                  : "at an unknown stage";
+}
 
 }  // namespace
 
@@ -371,22 +385,21 @@ void MoeEpLayer::check(cudaStream_t stream) const {
   using F = k90::EpFailure;
   const int32_t e = *reinterpret_cast<volatile int32_t*>(m.error_host);
   MEGAMOE_CHECK(F::kind(e) != F::kPeerGaveUp, kCuda, "expert parallelism: rank ", m.cfg.rank, ": rank ",
-                F::peer_rank(e), " gave up waiting at the ", barrier_name(F::peer_stage(e)),
-                " barrier (a peer of it never arrived); every rank has stopped exchanging, the outputs since are "
-                "undefined");
+                F::peer_rank(e), " gave up waiting ", stage_name(F::peer_stage(e)),
+                " (a peer of it never arrived); every rank has stopped exchanging, the outputs since are undefined");
   MEGAMOE_CHECK(e == 0, kCuda, "expert parallelism: rank ", m.cfg.rank, " waited more than ", m.cfg.timeout_seconds,
-                " s at the ", barrier_name(F::kind(e)),
-                " barrier: a peer rank never arrived (it failed, or does not call run() as often); every rank has "
+                " s ", stage_name(F::kind(e)),
+                ": a peer rank never arrived (it failed, or does not call run() as often); every rank has "
                 "stopped exchanging, the outputs since are undefined");
 }
 
 int64_t MoeEpLayer::invalid_id_count(cudaStream_t stream) const {
   const Impl& m = *impl_;
   if (m.single) return m.routed_plan->invalid_id_count(m.routed_ws, stream);
-  int32_t count = 0;
-  check_cuda(cudaMemcpyAsync(&count, m.invalid, 4, cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+  k90::EpState state{};
+  check_cuda(cudaMemcpyAsync(&state, m.state, sizeof(state), cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
   check(stream);  // a failed exchange's count means nothing
-  return count;
+  return state.invalid[state.epoch & 1];
 }
 
 }  // namespace megamoe

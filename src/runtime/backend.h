@@ -14,6 +14,7 @@
 #include "megamoe/moe.h"
 #include "megamoe/precision.h"
 #include "megamoe/runtime.h"
+#include "runtime/token_gate.h"
 
 namespace megamoe::runtime {
 
@@ -40,6 +41,19 @@ class BackendWeights {
   virtual size_t device_bytes() const = 0;
 };
 
+// A run whose tokens arrive on the device while it is queued (token_gate.h): args.tokens is their
+// bound; `hint` is the count the host expects, for which the kernels' configuration and grids are
+// chosen (any count up to the bound runs correctly, some slower).
+struct GatedTokens {
+  TokenGate gate;
+  int64_t hint = 0;
+};
+
+// run() on gated tokens: the plan must be deterministic with early start off
+// (MoeTuning::early_start = false). Internal: the expert-parallel layer's local experts.
+void run_gated(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs& args,
+               const GatedTokens& gated, cudaStream_t stream);
+
 class MoeBackend {
  public:
   virtual ~MoeBackend() = default;
@@ -64,8 +78,9 @@ class MoeBackend {
   virtual std::unique_ptr<BackendWeights> upload(const MoeLayer& layer, cudaStream_t stream) const = 0;
 
   // Launches only: arguments are checked (check_run_args), T > 0, weights in weight_layout().
-  virtual void run(const MoePlan& plan, const BackendWeights& weights, const MoeRunArgs& args,
-                   cudaStream_t stream) const = 0;
+  // With `gated`, the tokens arrive on the device (run_gated).
+  virtual void run(const MoePlan& plan, const BackendWeights& weights, const MoeRunArgs& args, cudaStream_t stream,
+                   const GatedTokens* gated) const = 0;
   virtual int64_t invalid_id_count(const MoePlan& plan, const void* workspace, cudaStream_t stream) const = 0;
   // Loads every kernel run() may launch (once per process; MoePlan::create calls it). Under CUDA's
   // lazy loading a kernel is otherwise loaded at its first launch, which waits for the kernels

@@ -1,4 +1,6 @@
 // run() (arch-neutral): the argument checks every row shares, then the plan's row for this T.
+#include <algorithm>
+#include <optional>
 #include <string_view>
 
 #include "megamoe/runtime.h"
@@ -34,16 +36,43 @@ void check_run_args(const MoePlan& plan, const runtime::DeviceWeightsAccess::Imp
 
 }  // namespace
 
-void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs& args, cudaStream_t stream) {
+namespace {
+
+void run_checked(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs& args, cudaStream_t stream,
+                 const runtime::GatedTokens* gated) {
   const auto& w = runtime::DeviceWeightsAccess::get(weights);
   check_run_args(plan, w, args);
   if (args.tokens == 0) return;
-  const runtime::MoeBackend& row = runtime::PlanAccess::backend(plan, args.tokens);
+  // kAuto's row for the tokens expected.
+  const runtime::MoeBackend& row = runtime::PlanAccess::backend(plan, gated ? std::max<int64_t>(1, gated->hint) : args.tokens);
   MEGAMOE_CHECK(w.data != nullptr && std::string_view(w.data->layout()) == row.weight_layout(), kInvalidArgument,
                 "run: the weights were prepared in layout ", w.data ? w.data->layout() : "(none: moved from)",
                 " for ", runtime::arch_name(w.arch), "; this plan's kernels (", row.name(), ") read ",
                 row.weight_layout());
-  row.run(plan, *w.data, args, stream);
+  row.run(plan, *w.data, args, stream, gated);
 }
+
+}  // namespace
+
+void run(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs& args, cudaStream_t stream) {
+  run_checked(plan, weights, args, stream, nullptr);
+}
+
+namespace runtime {
+
+void run_gated(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs& args, const GatedTokens& gated,
+               cudaStream_t stream) {
+  const MoeProblem& p = plan.problem();
+  MEGAMOE_CHECK(p.deterministic && plan.tuning().early_start == std::optional<bool>(false), kInternal,
+                "run_gated: the plan must be deterministic with early start off");
+  MEGAMOE_CHECK(gated.gate.words != nullptr && gated.gate.count != nullptr && gated.gate.epoch != nullptr &&
+                    gated.gate.rows != nullptr && gated.gate.failure.failed != nullptr,
+                kInternal, "run_gated: an incomplete token gate");
+  MEGAMOE_CHECK(gated.hint >= 0 && gated.hint <= args.tokens, kInternal, "run_gated: hint ", gated.hint,
+                " outside 0..", args.tokens);
+  run_checked(plan, weights, args, stream, &gated);
+}
+
+}  // namespace runtime
 
 }  // namespace megamoe

@@ -94,16 +94,18 @@ TEST(ExpertParallel, UniqueIdRoundTripsThroughHex) {
 
 TEST(ExpertParallel, WindowLayoutByHand) {
   // R = 2 sources of max_t = 3 rows, H = 64, k = 4: recv_x 768 B, recv_ids and recv_w 96 B each
-  // (256 with alignment), ret 1536 B.
+  // (256 with alignment), recv_src 24 B (256), ret 1536 B.
   constexpr ep::EpWindowLayout l = ep::ep_window_layout(2, 3, 64, 4);
   EXPECT_EQ(l.recv_x, 0);
   EXPECT_EQ(l.recv_ids, 768);
   EXPECT_EQ(l.recv_w, 1024);
-  EXPECT_EQ(l.ret, 1280);
-  EXPECT_EQ(l.bytes, 2816);
-  // The barriers' slots: one per (barrier, source) for the largest world; the area is rounded so
-  // that the data bytes after it stay 256-byte aligned.
-  EXPECT_EQ(ep::kFlagWords, 16u);
+  EXPECT_EQ(l.recv_src, 1280);
+  EXPECT_EQ(l.ret, 1536);
+  EXPECT_EQ(l.bytes, 3072);
+  // The signal words: sent and done slots for the largest world, and the receive count; the area
+  // is rounded so that the data bytes after it stay 256-byte aligned.
+  EXPECT_EQ(ep::kFlagWords, 17u);
+  EXPECT_EQ(ep::kRecvCountWord, 16);
   EXPECT_EQ(ep::flag_area_bytes(ep::kFlagWords), 256u);
   EXPECT_EQ(ep::flag_area_bytes(0), 0u);
   EXPECT_EQ(ep::flag_area_bytes(1), 256u);
@@ -121,10 +123,10 @@ TEST(ExpertParallel, WindowLayoutHoldsEveryBuffer) {
           SCOPED_TRACE(testing::Message() << "R=" << R << " max_t=" << max_t << " H=" << H << " k=" << k);
           const ep::EpWindowLayout l = ep::ep_window_layout(R, max_t, H, k);
           const int64_t rows = R * max_t;
-          const int64_t offsets[] = {l.recv_x, l.recv_ids, l.recv_w, l.ret, l.bytes};
-          const int64_t sizes[] = {rows * H * 2, rows * k * 4, rows * k * 4, rows * H * 4};
+          const int64_t offsets[] = {l.recv_x, l.recv_ids, l.recv_w, l.recv_src, l.ret, l.bytes};
+          const int64_t sizes[] = {rows * H * 2, rows * k * 4, rows * k * 4, rows * 4, rows * H * 4};
           EXPECT_EQ(offsets[0], 0);
-          for (int i = 0; i < 4; ++i) {
+          for (int i = 0; i < 5; ++i) {
             EXPECT_EQ(offsets[i] % 256, 0) << "buffer " << i;
             const int64_t end = offsets[i] + sizes[i];
             EXPECT_GE(offsets[i + 1], end) << "buffer " << i << " overlaps the next";

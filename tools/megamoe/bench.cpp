@@ -225,7 +225,7 @@ Command add_bench_command(CLI::App& parent) {
   app->add_option("--max-tokens-per-rank", ep->max_tokens_per_rank,
                   "with --ep: the layer's max tokens per rank, what an engine sizes it for (0: the largest T_r)")
       ->capture_default_str();
-  app->add_option("--ep-timeout", ep->ep_timeout, "with --ep: seconds a rank waits for its peers at a layer barrier")
+  app->add_option("--ep-timeout", ep->ep_timeout, "with --ep: seconds a rank waits for its peers in a run of the layer")
       ->capture_default_str();
   app->add_option("--ep-deadline", ep->deadline,
                   "with --ep: end every rank and fail after this many seconds (0: no limit)")

@@ -44,7 +44,7 @@ struct RunArgs {
   int ep_loopback = 0;       // world size of virtual ranks on one GPU (EpLoopback); 0: none
   int ep_rank = -1;          // set by the launcher in the processes it starts
   std::string ep_id;         // the NCCL unique id, hex (launcher -> ranks)
-  double ep_timeout = 60.0;  // seconds a rank waits for its peers at a barrier
+  double ep_timeout = 60.0;  // seconds a rank waits for its peers in a run
 };
 
 // Token share of rank r: [first, end) of T, contiguous, ceil(T / R) each (the last may be short

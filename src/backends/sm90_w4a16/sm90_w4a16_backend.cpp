@@ -28,10 +28,10 @@ class Sm90W4a16Backend final : public MoeBackend {
   std::unique_ptr<BackendWeights> upload(const MoeLayer& layer, cudaStream_t stream) const override {
     return upload_sm90_prepacked(layer, stream);
   }
-  void run(const MoePlan& plan, const BackendWeights& weights, const MoeRunArgs& args,
-           cudaStream_t stream) const override {
+  void run(const MoePlan& plan, const BackendWeights& weights, const MoeRunArgs& args, cudaStream_t stream,
+           const GatedTokens* gated) const override {
     // run() has checked that the weights are in weight_layout(), which only this type carries.
-    run_sm90_w4a16(plan, static_cast<const Sm90PrepackedWeights&>(weights), args, stream);
+    run_sm90_w4a16(plan, static_cast<const Sm90PrepackedWeights&>(weights), args, stream, gated);
   }
   int64_t invalid_id_count(const MoePlan& plan, const void* workspace, cudaStream_t stream) const override {
     return read_invalid_id_count(plan.problem(), workspace, stream);

@@ -28,8 +28,8 @@ GemmSchedule schedule_of(const GemmConfig& c) { return {c.warpgroups, c.block_n,
 // device): at most min(E', slots) experts hold tokens, and an expert with c tokens has at most
 // (c + step - 1) / step n-tiles. Tight at one token, so no CTA is launched only to find no work:
 // extra CTAs crowd the first SMs the block scheduler fills, and the items then share fewer SMs.
-int64_t max_work_items(const PipelineRun& r, const GemmConfig& c, int64_t m_tiles) {
-  const int64_t slots = r.tokens * r.slots_per_token, active = std::min(r.virtual_experts, slots);
+int64_t max_work_items(const PipelineRun& r, const GemmConfig& c, int64_t m_tiles, int64_t tokens) {
+  const int64_t slots = tokens * r.slots_per_token, active = std::min(r.virtual_experts, slots);
   const int64_t n_tiles = (slots + active * (c.tile_step() - 1)) / c.tile_step();
   return (m_tiles / c.warpgroups) * c.k_splits * n_tiles;
 }
@@ -37,8 +37,8 @@ int64_t max_work_items(const PipelineRun& r, const GemmConfig& c, int64_t m_tile
 // The n-tiles per routed expert the kernels' pre-wait L2-cache prefetch (prefetch_guessed_item)
 // assumes: T * k / E tokens each. Below one token per expert most guessed experts are empty, so
 // the prefetch would fetch weights no item reads (and compete with the real loads): none.
-int32_t guess_n_tiles(const PipelineRun& r, const GemmConfig& c) {
-  const double per_expert = static_cast<double>(r.tokens) * r.problem.top_k / static_cast<double>(r.problem.num_experts);
+int32_t guess_n_tiles(const PipelineRun& r, const GemmConfig& c, int64_t tokens) {
+  const double per_expert = static_cast<double>(tokens) * r.problem.top_k / static_cast<double>(r.problem.num_experts);
   if (per_expert < 1.0) return 0;
   return static_cast<int32_t>(std::max<int64_t>(1, std::llround(per_expert / c.tile_step())));
 }
@@ -55,7 +55,7 @@ void set_slots(k90::W4a16GemmParams& g, const PipelineRun& r, const k90::Dispatc
 
 // L1: x · W13ᵀ gathered by slot, SwiGLU into act; zeroes the combine accumulator for L2.
 k90::W4a16GemmParams l1_params(const PipelineRun& r, const MoeConfig& cfg, const Sm90PrepackedWeights& w,
-                               const k90::DispatchParams& d) {
+                               const k90::DispatchParams& d, int64_t tokens) {
   const MoeProblem& p = r.problem;
   void* ws = r.args.workspace;
   k90::W4a16GemmParams g{};
@@ -73,7 +73,7 @@ k90::W4a16GemmParams l1_params(const PipelineRun& r, const MoeConfig& cfg, const
   g.work_counter = d.counters + kL1WorkCounter;
   set_slots(g, r, d);
   // Early start knows its first L1 items exactly: no guess.
-  g.guess_n_tiles = cfg.early_start ? 0 : guess_n_tiles(r, cfg.l1);
+  g.guess_n_tiles = cfg.early_start ? 0 : guess_n_tiles(r, cfg.l1, tokens);
   g.s2_gate = w.s2;
   g.s2_up = w.s2 + r.virtual_experts;
   g.act = workspace_at<__nv_bfloat16>(ws, r.layout.act);
@@ -91,7 +91,7 @@ k90::W4a16GemmParams l1_params(const PipelineRun& r, const MoeConfig& cfg, const
 // L2: act · W2ᵀ, scaled by the routing weight, added into the combine accumulator (or stored per
 // slot for the deterministic combine).
 k90::W4a16GemmParams l2_params(const PipelineRun& r, const MoeConfig& cfg, const Sm90PrepackedWeights& w,
-                               const k90::DispatchParams& d) {
+                               const k90::DispatchParams& d, int64_t tokens) {
   const MoeProblem& p = r.problem;
   void* ws = r.args.workspace;
   k90::W4a16GemmParams g{};
@@ -108,7 +108,7 @@ k90::W4a16GemmParams l2_params(const PipelineRun& r, const MoeConfig& cfg, const
   g.tile_offsets = d.l2_tile_offsets;
   g.work_counter = d.counters + kL2WorkCounter;
   set_slots(g, r, d);
-  g.guess_n_tiles = guess_n_tiles(r, cfg.l2);
+  g.guess_n_tiles = guess_n_tiles(r, cfg.l2, tokens);
   g.s2_down = w.s2 + 2 * r.virtual_experts;
   g.out_acc = p.deterministic ? nullptr : workspace_at<float>(ws, r.layout.out_acc);
   g.y_slot = p.deterministic ? workspace_at<float>(ws, r.layout.y_slot) : nullptr;
@@ -118,18 +118,22 @@ k90::W4a16GemmParams l2_params(const PipelineRun& r, const MoeConfig& cfg, const
 
 }  // namespace
 
-void run_sm90_w4a16(const MoePlan& plan, const Sm90PrepackedWeights& w, const MoeRunArgs& args, cudaStream_t stream) {
+void run_sm90_w4a16(const MoePlan& plan, const Sm90PrepackedWeights& w, const MoeRunArgs& args, cudaStream_t stream,
+                    const GatedTokens* gated) {
   const MoeProblem& p = plan.problem();
-  const MoeConfig cfg = moe_config(plan, args.tokens);
+  // Gated: configured and sized for the tokens expected; the dispatch path for the bound.
+  const int64_t expected = gated != nullptr ? std::max<int64_t>(1, gated->hint) : args.tokens;
+  const MoeConfig cfg = moe_config(plan, expected);
   const WorkspaceLayout layout = workspace_layout(p);
-  const PipelineRun r = PipelineRun::make(p, args, layout, cfg.early_start);
+  const PipelineRun r = PipelineRun::make(p, args, layout, cfg.early_start, gated ? &gated->gate : nullptr);
 
   const k90::DispatchParams d = dispatch_params(r, schedule_of(cfg.l1), schedule_of(cfg.l2));
   launch_dispatch(d, r.tokens * p.top_k, stream);
 
-  const k90::W4a16GemmParams g1 = l1_params(r, cfg, w, d);
-  const k90::W4a16GemmParams g2 = l2_params(r, cfg, w, d);
-  const int64_t l1_work = max_work_items(r, cfg.l1, d.l1_m_tiles), l2_work = max_work_items(r, cfg.l2, d.l2_m_tiles);
+  const k90::W4a16GemmParams g1 = l1_params(r, cfg, w, d, expected);
+  const k90::W4a16GemmParams g2 = l2_params(r, cfg, w, d, expected);
+  const int64_t l1_work = max_work_items(r, cfg.l1, d.l1_m_tiles, expected);
+  const int64_t l2_work = max_work_items(r, cfg.l2, d.l2_m_tiles, expected);
   if (cfg.fused) {
     k90::W4a16FusedParams f{};
     f.l1 = g1;

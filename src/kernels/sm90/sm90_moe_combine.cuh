@@ -13,10 +13,14 @@
 namespace megamoe::kernels::sm90 {
 
 // One thread per 8 consecutive outputs (32-byte fp32 reads, 16-byte bf16 writes).
+// kGated: the tokens are those the dispatch's gate let through (CombineParams::tokens_dev).
+template <bool kGated>
 __global__ void __launch_bounds__(256) moe_combine_kernel(CombineParams p) {
   grid_dependency_wait();  // the L2 results are complete from here on
+  int64_t tokens = p.tokens;
+  if constexpr (kGated) tokens = min(tokens, static_cast<int64_t>(*p.tokens_dev));
   const int64_t vecs_per_row = p.hidden / 8;
-  const int64_t total = p.tokens * vecs_per_row;
+  const int64_t total = tokens * vecs_per_row;
   for (int64_t v = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; v < total;
        v += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t t = v / vecs_per_row;

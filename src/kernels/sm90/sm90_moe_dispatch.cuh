@@ -5,6 +5,10 @@
 // `shared_chunks` slices of I columns each (every token selects every slice with weight 1), so
 // all experts have the same I and one GEMM launch serves both.
 //
+// The gated instantiations (kGated) take their tokens as they arrive from other ranks
+// (runtime/token_gate.h): p.tokens is then a bound, the host's choices are made for it, and the
+// gate's wait comes before the first read of the ids.
+//
 // Two paths (the host picks by T * k, see kDispatchSingleCtaItems):
 //   * moe_dispatch_kernel: one CTA, for decode, where the dispatch is a chain of latencies;
 //   * moe_dispatch_count_kernel + moe_dispatch_place_kernel: many CTAs, each owning a range of
@@ -18,6 +22,7 @@
 #include "kernels/sm90/sm90_moe_dispatch_limits.h"
 #include "kernels/sm90/sm90_moe_pipeline_params.cuh"
 #include "kernels/sm90/sm90_moe_tiny_schedule.cuh"
+#include "kernels/sm90/sm90_signal.cuh"
 
 namespace megamoe::kernels::sm90 {
 
@@ -192,6 +197,7 @@ __device__ __forceinline__ void place_shared(const DispatchParams& p, int t0, in
 // scattered 4-byte stores, each its own L2 transaction, all issued by one SM (4096 for 2048
 // selections). H100, interleaved, 2048 selections: DeepSeek-V3 T=256 2244.9 -> 2242.2 us,
 // Qwen3-30B T=256 163.4 -> 160.4; unchanged at 1024 (direct stores).
+template <bool kGated>
 __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(DispatchParams p) {
   __shared__ dispatch_detail::ScanStorage scan_storage;
   __shared__ int32_t cursor[kDispatchMaxExperts];
@@ -204,7 +210,9 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(Dispa
   allow_dependent_launch();  // L1's CTAs may be scheduled now; they wait for this grid's results
   const int tid = threadIdx.x;
   const int num_virtual = p.num_experts + p.shared_chunks;
-  const int64_t items = static_cast<int64_t>(p.tokens) * p.top_k;
+  int32_t T = p.tokens;
+  if constexpr (kGated) T = gate_tokens(p.gate, p.tokens);
+  const int64_t items = static_cast<int64_t>(T) * p.top_k;
   // Every selection is cached in registers: the host runs this kernel only up to
   // kDispatchSingleCtaItems selections (the multi-CTA pair below). An internal invariant, not an
   // input check (T and k are validated on the host): past it, selections would go unplaced.
@@ -220,7 +228,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(Dispa
     cached_weight[j] = i < items ? p.topk_weights[i] : 0.0f;
   }
   for (int e = tid; e < num_virtual; e += kDispatchThreads) {
-    counts[e] = e < p.num_experts ? 0 : p.tokens;
+    counts[e] = e < p.num_experts ? 0 : T;
   }
   if (tid == 0) invalid = 0;
   for (int i = tid; i < p.counter_count; i += kDispatchThreads) p.counters[i] = 0;
@@ -272,7 +280,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(Dispa
   }
   // Shared slices. Their cursors are never advanced by the routed selections above, so cursor[]
   // still holds their offsets.
-  dispatch_detail::place_shared(p, 0, p.tokens, cursor);
+  dispatch_detail::place_shared(p, 0, T, cursor);
   if (p.zero_first != nullptr) {
     const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int64_t i = tid; i < p.zero_count / 4; i += kDispatchThreads) reinterpret_cast<float4*>(p.zero_first)[i] = zero;
@@ -282,16 +290,19 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(Dispa
 // Multi-CTA dispatch, first kernel: each CTA counts the routed selections of its tokens per
 // expert into cta_counts[blockIdx.x] (and its invalid ids). Launched as an ordinary kernel: the
 // previous run's readers of cta_counts have completed.
+template <bool kGated>
 __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_count_kernel(DispatchParams p) {
   __shared__ int32_t counts[kDispatchMaxExperts];
   __shared__ int32_t invalid;
   allow_dependent_launch();  // the place kernel's CTAs may be scheduled now; they wait for this grid
   const int tid = threadIdx.x;
+  int32_t T = p.tokens;
+  if constexpr (kGated) T = gate_tokens(p.gate, p.tokens);  // every CTA waits; CTA 0 publishes the rows
   for (int e = tid; e < p.num_experts; e += kDispatchThreads) counts[e] = 0;
   if (tid == 0) invalid = 0;
   __syncthreads();
   const int t0 = blockIdx.x * p.tokens_per_cta;
-  const int t1 = min(p.tokens, t0 + p.tokens_per_cta);
+  const int t1 = min(T, t0 + p.tokens_per_cta);
   const int64_t end = static_cast<int64_t>(t1) * p.top_k;
   for (int64_t i = static_cast<int64_t>(t0) * p.top_k + tid; i < end; i += kDispatchThreads) {
     dispatch_detail::count_selection(p, p.topk_ids[i], counts, &invalid);
@@ -307,6 +318,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_count_kernel
 // it), scans the totals (CTA 0 also publishes the offsets and tile prefixes, the invalid count,
 // and zeroes the GEMMs' counters), then places its tokens' selections. Within an expert, slots
 // go to the CTAs in token-range order.
+template <bool kGated>
 __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_place_kernel(DispatchParams p) {
   __shared__ dispatch_detail::ScanStorage scan_storage;
   __shared__ int32_t counts[kDispatchMaxExperts];
@@ -314,6 +326,8 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_place_kernel
   allow_dependent_launch();  // L1's CTAs may be scheduled now; they wait for this grid's results
   grid_dependency_wait();    // cta_counts are complete from here on
   const int tid = threadIdx.x;
+  int32_t T = p.tokens;
+  if constexpr (kGated) T = *reinterpret_cast<const volatile int32_t*>(p.gate.rows);  // the count kernel's gate
   const int num_virtual = p.num_experts + p.shared_chunks;
   const bool publish = blockIdx.x == 0;
   int32_t before[2];  // this CTA's start within experts 2 * tid and 2 * tid + 1 (the scan's owners)
@@ -330,7 +344,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_place_kernel
       }
       counts[e] = total;
     } else if (e < num_virtual) {
-      counts[e] = p.tokens;  // a shared slice: every token
+      counts[e] = T;  // a shared slice: every token
     }
   }
   if (publish) {
@@ -349,7 +363,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_place_kernel
   }
   __syncthreads();
   const int t0 = blockIdx.x * p.tokens_per_cta;
-  const int t1 = min(p.tokens, t0 + p.tokens_per_cta);
+  const int t1 = max(t0, min(T, t0 + p.tokens_per_cta));
   const int64_t end = static_cast<int64_t>(t1) * p.top_k;
   for (int64_t i = static_cast<int64_t>(t0) * p.top_k + tid; i < end; i += kDispatchThreads) {
     dispatch_detail::place_selection(p, i, p.topk_ids[i], p.topk_weights[i], cursor, dispatch_detail::workspace_slots(p));

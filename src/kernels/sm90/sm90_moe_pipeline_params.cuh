@@ -6,6 +6,8 @@
 #include <cuda_bf16.h>
 #include <cstdint>
 
+#include "runtime/token_gate.h"
+
 namespace megamoe::kernels::sm90 {
 
 struct DispatchParams {
@@ -44,6 +46,9 @@ struct DispatchParams {
   int32_t tokens_per_cta;
   int32_t* cta_counts;           // (kDispatchMaxCtas, E) routed selections per CTA and expert
   int32_t* cta_invalid;          // (kDispatchMaxCtas) invalid ids per CTA
+  // The gated kernels only: the tokens arrive while the run is queued (token_gate.h); `tokens`
+  // is then their upper bound, and the gate's rows what the run takes.
+  runtime::TokenGate gate;
 };
 
 struct CombineParams {
@@ -56,6 +61,7 @@ struct CombineParams {
   int64_t hidden;              // H, a multiple of 8
   __nv_bfloat16* out;          // (T, H), or null when out_f32 is set
   float* out_f32;              // (T, H) fp32 before rounding, or null
+  const int32_t* tokens_dev;   // the gated combine only: the tokens the dispatch's gate let through
 };
 
 }  // namespace megamoe::kernels::sm90

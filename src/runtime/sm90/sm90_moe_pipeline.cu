@@ -13,14 +13,17 @@ namespace megamoe::runtime {
 namespace k90 = kernels::sm90;
 
 PipelineRun PipelineRun::make(const MoeProblem& problem, const MoeRunArgs& args, const WorkspaceLayout& layout,
-                              bool early_start) {
+                              bool early_start, const TokenGate* gate) {
+  MEGAMOE_CHECK(gate == nullptr || (problem.deterministic && !early_start), kInternal,
+                "a gated run needs a deterministic plan without early start");
   return PipelineRun{problem,
                      args,
                      layout,
                      args.tokens,
                      runtime::virtual_experts(problem),
                      runtime::slots_per_token(problem),
-                     early_start && !problem.deterministic};
+                     early_start && !problem.deterministic,
+                     gate};
 }
 
 k90::DispatchParams dispatch_params(const PipelineRun& r, const GemmSchedule& l1, const GemmSchedule& l2) {
@@ -56,12 +59,16 @@ k90::DispatchParams dispatch_params(const PipelineRun& r, const GemmSchedule& l1
   d.cta_invalid = workspace_at<int32_t>(ws, L.cta_invalid);
   d.zero_first = r.dispatch_zeroes_accumulator ? workspace_at<float>(ws, L.out_acc) : nullptr;
   d.zero_count = r.dispatch_zeroes_accumulator ? r.tokens * p.hidden_size : 0;
+  if (r.gate != nullptr) d.gate = *r.gate;
   return d;
 }
 
-void launch_dispatch(k90::DispatchParams d, int64_t selections, cudaStream_t stream) {
+namespace {
+
+template <bool kGated>
+void launch_dispatch_kernels(k90::DispatchParams d, int64_t selections, cudaStream_t stream) {
   if (selections <= k90::kDispatchSingleCtaItems) {
-    k90::moe_dispatch_kernel<<<1, k90::kDispatchThreads, k90::kDispatchStageBytes, stream>>>(d);
+    k90::moe_dispatch_kernel<kGated><<<1, k90::kDispatchThreads, k90::kDispatchStageBytes, stream>>>(d);
     gpu::check_cuda(cudaGetLastError(), "moe_dispatch_kernel launch");
     return;
   }
@@ -72,9 +79,17 @@ void launch_dispatch(k90::DispatchParams d, int64_t selections, cudaStream_t str
   const int64_t tokens_per_cta = (T + want - 1) / want;
   const int64_t ctas = (T + tokens_per_cta - 1) / tokens_per_cta;
   d.tokens_per_cta = static_cast<int32_t>(tokens_per_cta);
-  k90::moe_dispatch_count_kernel<<<static_cast<unsigned>(ctas), k90::kDispatchThreads, 0, stream>>>(d);
+  k90::moe_dispatch_count_kernel<kGated><<<static_cast<unsigned>(ctas), k90::kDispatchThreads, 0, stream>>>(d);
   gpu::check_cuda(cudaGetLastError(), "moe_dispatch_count_kernel launch");
-  launch_dependent(&k90::moe_dispatch_place_kernel, static_cast<unsigned>(ctas), k90::kDispatchThreads, 0, stream, d);
+  launch_dependent(&k90::moe_dispatch_place_kernel<kGated>, static_cast<unsigned>(ctas), k90::kDispatchThreads, 0,
+                   stream, d);
+}
+
+}  // namespace
+
+void launch_dispatch(const k90::DispatchParams& d, int64_t selections, cudaStream_t stream) {
+  if (d.gate.words != nullptr) return launch_dispatch_kernels<true>(d, selections, stream);
+  launch_dispatch_kernels<false>(d, selections, stream);
 }
 
 k90::CombineParams combine_params(const PipelineRun& r, const k90::DispatchParams& d) {
@@ -90,21 +105,31 @@ k90::CombineParams combine_params(const PipelineRun& r, const k90::DispatchParam
   c.hidden = r.problem.hidden_size;
   c.out = reinterpret_cast<__nv_bfloat16*>(r.args.output);
   c.out_f32 = r.args.output_f32;
+  c.tokens_dev = r.gate != nullptr ? r.gate->rows : nullptr;
   return c;
 }
 
 void load_pipeline_kernels() {
   cudaFuncAttributes a{};
-  gpu::check_cuda(cudaFuncGetAttributes(&a, &k90::moe_dispatch_kernel), "load moe_dispatch_kernel");
-  gpu::check_cuda(cudaFuncGetAttributes(&a, &k90::moe_dispatch_count_kernel), "load moe_dispatch_count_kernel");
-  gpu::check_cuda(cudaFuncGetAttributes(&a, &k90::moe_dispatch_place_kernel), "load moe_dispatch_place_kernel");
-  gpu::check_cuda(cudaFuncGetAttributes(&a, &k90::moe_combine_kernel), "load moe_combine_kernel");
+  auto load = [&a](const void* kernel, const char* what) { gpu::check_cuda(cudaFuncGetAttributes(&a, kernel), what); };
+  load(reinterpret_cast<const void*>(&k90::moe_dispatch_kernel<false>), "load moe_dispatch_kernel");
+  load(reinterpret_cast<const void*>(&k90::moe_dispatch_kernel<true>), "load moe_dispatch_kernel<gated>");
+  load(reinterpret_cast<const void*>(&k90::moe_dispatch_count_kernel<false>), "load moe_dispatch_count_kernel");
+  load(reinterpret_cast<const void*>(&k90::moe_dispatch_count_kernel<true>), "load moe_dispatch_count_kernel<gated>");
+  load(reinterpret_cast<const void*>(&k90::moe_dispatch_place_kernel<false>), "load moe_dispatch_place_kernel");
+  load(reinterpret_cast<const void*>(&k90::moe_dispatch_place_kernel<true>), "load moe_dispatch_place_kernel<gated>");
+  load(reinterpret_cast<const void*>(&k90::moe_combine_kernel<false>), "load moe_combine_kernel");
+  load(reinterpret_cast<const void*>(&k90::moe_combine_kernel<true>), "load moe_combine_kernel<gated>");
 }
 
 void launch_combine(const k90::CombineParams& c, int num_sms, cudaStream_t stream) {
   const int64_t vecs = c.tokens * c.hidden / 8;
   const int64_t blocks = std::min<int64_t>((vecs + 255) / 256, int64_t{num_sms} * 8);
-  launch_dependent(&k90::moe_combine_kernel, static_cast<unsigned>(blocks), 256, 0, stream, c);
+  if (c.tokens_dev != nullptr) {
+    launch_dependent(&k90::moe_combine_kernel<true>, static_cast<unsigned>(blocks), 256, 0, stream, c);
+  } else {
+    launch_dependent(&k90::moe_combine_kernel<false>, static_cast<unsigned>(blocks), 256, 0, stream, c);
+  }
 }
 
 }  // namespace megamoe::runtime

@@ -9,6 +9,7 @@
 #include "kernels/sm90/sm90_moe_pipeline_params.cuh"
 #include "megamoe/runtime.h"
 #include "runtime/sm90/sm90_moe_workspace.h"
+#include "runtime/token_gate.h"
 
 namespace megamoe::runtime {
 
@@ -25,21 +26,26 @@ struct PipelineRun {
   const MoeProblem& problem;
   const MoeRunArgs& args;
   const WorkspaceLayout& layout;
-  int64_t tokens;           // T
+  int64_t tokens;           // T (with a gate: the bound of what arrives)
   int64_t virtual_experts;  // E routed + shared slices
   int64_t slots_per_token;  // top_k + shared slices
   // The dispatch zeroes the combine accumulator (early start: it is then off the critical path,
   // and the fused launch's L2 items need no hand-off from every CTA's zeroing).
   bool dispatch_zeroes_accumulator;
+  // Tokens that arrive on the device while the run is queued (token_gate.h), or null. The gated
+  // dispatch and combine run on what arrived; the plan must be deterministic (nothing to zero
+  // for T rows) and early start is off (its schedule needs the ids at launch).
+  const TokenGate* gate = nullptr;
 
   static PipelineRun make(const MoeProblem& problem, const MoeRunArgs& args, const WorkspaceLayout& layout,
-                          bool early_start);
+                          bool early_start, const TokenGate* gate = nullptr);
 };
 
 kernels::sm90::DispatchParams dispatch_params(const PipelineRun& r, const GemmSchedule& l1, const GemmSchedule& l2);
 // Launched without programmatic serialization: it starts once everything before it on the stream
 // has completed (the previous run's combine reads the accumulator the first GEMM zeroes).
-void launch_dispatch(kernels::sm90::DispatchParams d, int64_t selections, cudaStream_t stream);
+// With a gate (d.gate.words set), the gated kernels: `selections` is then the bound's.
+void launch_dispatch(const kernels::sm90::DispatchParams& d, int64_t selections, cudaStream_t stream);
 
 // The fp32 accumulator (or the per-slot outputs in top-k order) to the caller's output.
 kernels::sm90::CombineParams combine_params(const PipelineRun& r, const kernels::sm90::DispatchParams& d);

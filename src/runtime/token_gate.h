@@ -1,0 +1,36 @@
+// Rows that producers elsewhere (the ranks of an expert-parallel layer) deliver into this GPU's
+// memory while a run is already queued: the run's dispatch waits for them on the device and
+// takes as many rows as arrived. Plain C++: host code fills it, the sm90 dispatch reads it
+// (sm90_signal.cuh has the words' format and the wait).
+#pragma once
+
+#include <cstdint>
+
+namespace megamoe::runtime {
+
+inline constexpr int kMaxSignalTargets = 16;
+
+// What a bounded wait on signal words does when it fails (a timeout, or a peer's poison): it
+// records the failure on the device and in host-mapped memory, and poisons `targets` (this
+// rank's words in its peers), so that they fail at once wherever they wait.
+struct SignalFailure {
+  uint64_t timeout_ns = 0;
+  int32_t* failed = nullptr;  // device word: nonzero once any wait of this rank failed
+  int32_t* error = nullptr;   // host-mapped copy, read by the host after a synchronisation
+  uint64_t* targets[kMaxSignalTargets] = {};
+  int32_t target_count = 0;
+  int32_t rank = 0;           // reported in the poison
+};
+
+struct TokenGate {
+  const uint64_t* words = nullptr;  // [producers] {epoch, rows sent}, in this GPU's memory
+  int32_t producers = 0;
+  int32_t stage = 0;                // what a failure of this wait reports (sm90_signal.cuh)
+  // The rows that arrived, contiguous from row 0 (each producer reserves its rows here).
+  const unsigned long long* count = nullptr;
+  const uint64_t* epoch = nullptr;  // the run waits for epoch *epoch + 1
+  int32_t* rows = nullptr;          // where the gate stores the rows it let through (the combine reads them)
+  SignalFailure failure;
+};
+
+}  // namespace megamoe::runtime
