@@ -109,15 +109,16 @@ __global__ void __launch_bounds__(256) ep_send_kernel(EpExchangeParams p) {
     }
     if (failed) continue;
     uint32_t mask = __reduce_or_sync(0xffffffffu, owner >= 0 ? 1u << owner : 0u);
+    // Lane d reserves the row at destination d: one round trip for all destinations.
+    unsigned long long reserved = 0;
+    if (lane < p.peers.world && (mask >> lane & 1u)) {
+      reserved = atomicAdd_system(reinterpret_cast<unsigned long long*>(p.peers.flags[lane] + ep::kRecvCountWord), 1ull);
+      atomicAdd(&p.state->sent[lane], 1);
+    }
     while (mask != 0) {
       const int d = __ffs(mask) - 1;
       mask &= mask - 1;
-      unsigned long long row = 0;
-      if (lane == 0) {
-        row = atomicAdd_system(reinterpret_cast<unsigned long long*>(p.peers.flags[d] + ep::kRecvCountWord), 1ull);
-        atomicAdd(&p.state->sent[d], 1);
-      }
-      row = __shfl_sync(0xffffffffu, row, 0);
+      const unsigned long long row = __shfl_sync(0xffffffffu, reserved, d);
       char* const base = p.peers.base[d];
       if (lane < p.top_k) {
         const bool here = owner == d;
