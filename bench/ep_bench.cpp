@@ -117,9 +117,9 @@ void run_ep_bench_rank(const EpRankSetup& setup, int rank) {
   cfg.max_tokens_per_rank = max_t;
   cfg.timeout_seconds = opt.ep_timeout;
   MoeEpLayer ep = MoeEpLayer::create(local, E, cfg, EpUniqueId::from_hex(setup.layer_comm_id), opt.deterministic);
-  info.ep_device_bytes = static_cast<int64_t>(ep.device_bytes());
+  info.ep_device_bytes = static_cast<int64_t>(ep.device_bytes() + ep.group().device_bytes());
   log("EP layer: experts [" + std::to_string(range.first) + ", " + std::to_string(range.first + range.count) + ")" +
-      (layer.shared_expert ? " + shared" : "") + ", " + std::to_string(ep.device_bytes() / 1e9) + " GB on GPU " +
+      (layer.shared_expert ? " + shared" : "") + ", " + std::to_string(info.ep_device_bytes / 1e9) + " GB on GPU " +
       std::to_string(rank));
   std::unique_ptr<UnfusedBaseline> unfused;
   if (opt.baselines) unfused = std::make_unique<UnfusedBaseline>(local, shape, rank, max_t, opt.deterministic, stream);

@@ -187,7 +187,7 @@ nlohmann::json to_json(const EpPointResult& p);
 struct EpRankInfo {
   char device[96] = {};
   EpRates rates;
-  int64_t ep_device_bytes = 0;  // MoeEpLayer::device_bytes
+  int64_t ep_device_bytes = 0;  // MoeEpLayer::device_bytes + its EpGroup's
   int64_t free_bytes = 0;       // cudaMemGetInfo after setup
 };
 

@@ -170,7 +170,7 @@ nlohmann::json ep_run_header(const EpRunInfo& run) {
   for (int r = 0; r < R; ++r) {
     const EpRankInfo& in = run.ranks[static_cast<size_t>(r)];
     std::printf("  rank %d: %s, copy %.2f TB/s, bf16 %.0f TFLOP/s, NVLink to rank %d %.0f GB/s (%s); EP layer "
-                "%.2f GB on the GPU (MoeEpLayer::device_bytes), %.1f GB free after setup\n",
+                "%.2f GB on the GPU (the layer's and its group's device_bytes), %.1f GB free after setup\n",
                 r, in.device, in.rates.copy_tbps, in.rates.mma_tflops, (r + 1) % R, in.rates.peer_gbps,
                 run.peer_rate_method.c_str(), in.ep_device_bytes / 1e9, in.free_bytes / 1e9);
     report["ranks"].push_back({{"rank", r}, {"device", in.device}, {"copy_tbps", in.rates.copy_tbps},

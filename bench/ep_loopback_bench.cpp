@@ -105,7 +105,7 @@ int run_ep_loopback_bench(const EpBenchOptions& opt) {
     cfg.rank = r;
     ranks.push_back(MoeEpLayer::create(ep_local_layer(layer, ep_expert_range(E, R, r)), E, cfg, loopback,
                                        opt.deterministic));
-    bytes_per_rank = std::max(bytes_per_rank, ranks.back().device_bytes());
+    bytes_per_rank = std::max(bytes_per_rank, ranks.back().device_bytes() + ranks.back().group().device_bytes());
   }
   std::fprintf(stderr, "bench --ep-loopback %d: %s, %d virtual ranks of %d SMs, max %lld tokens per rank, %.2f GB "
                "per rank\n", R, prop.name, R, loopback.sms_per_rank(), (long long)cfg.max_tokens_per_rank,

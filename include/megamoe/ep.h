@@ -26,7 +26,6 @@
 
 #include <array>
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <string>
 
@@ -35,10 +34,6 @@
 #include "megamoe/runtime.h"
 
 namespace megamoe {
-
-namespace ep {
-class EpTransport;
-}  // namespace ep
 
 // The 128 bytes that name an NCCL communicator: made once (EpUniqueId::create on one process) and
 // handed to every rank (as hex on a command line, or through the engine's own process group).
@@ -103,6 +98,33 @@ class EpLoopback {
   std::shared_ptr<Impl> impl_;
 };
 
+// One rank's endpoint of expert parallelism, shared by every layer of a model: its communicator
+// (or loopback rank), one window (the receive and return buffers and the signal words) sized for
+// the largest layer (hidden_size, top_k) and config.max_tokens_per_rank, and the scratch the
+// layers' local experts use (sized by the largest layer made on it). A layer keeps only its
+// weights and plans. The layers of a group run one at a time, in stream order, in the same order
+// on every rank. Creating one is collective (every rank, the same arguments). Shared by copies
+// and by the layers made on it; freed with the last (after every rank's work has ended).
+class EpGroup {
+ public:
+  // Throws megamoe::Error: kInvalidArgument (the config's ranges, hidden_size not a positive
+  // multiple of 64, top_k outside 1..16, a loopback of another size or device), kUnsupported
+  // (NCCL without symmetric memory between these GPUs), kCuda.
+  static EpGroup create(const EpConfig& config, const EpUniqueId& id, int64_t hidden_size, int top_k);
+  // Rank config.rank of `loopback`'s virtual ranks: the local plans size their grids by
+  // loopback.sms_per_rank(), and run() must be given loopback.stream(config.rank).
+  static EpGroup create(const EpConfig& config, const EpLoopback& loopback, int64_t hidden_size, int top_k);
+  const EpConfig& config() const;
+  // The window and the scratch of its layers.
+  size_t device_bytes() const;
+
+  struct Impl;
+
+ private:
+  friend class MoeEpLayer;
+  std::shared_ptr<Impl> impl_;
+};
+
 // One rank of an expert-parallel MoE layer: its communicator, its symmetric buffers, its experts'
 // prepacked weights and every workspace, all made at create() (collective: every rank calls it,
 // with the same id and problem). Not copyable; destroy it on every rank.
@@ -112,11 +134,13 @@ class MoeEpLayer {
   // global E. Throws megamoe::Error naming what is wrong: a rank or size out of range, E not a
   // multiple of R, E/R below top_k, an unsupported shape or precision (MoePlan's rules), NCCL
   // without symmetric memory between these GPUs (kUnsupported), or a CUDA/NCCL failure (kCuda).
+  static MoeEpLayer create(const MoeLayer& local_layer, int64_t num_experts, const EpGroup& group,
+                           bool deterministic = false);
+  // The same on a group of its own (EpGroup::create with this layer's H and top_k).
   static MoeEpLayer create(const MoeLayer& local_layer, int64_t num_experts, const EpConfig& config,
                            const EpUniqueId& id, bool deterministic = false);
-  // Rank config.rank of `loopback`'s virtual ranks (config.world_size and config.device must be
-  // the loopback's); its plans size their grids by loopback.sms_per_rank(). run() must then be
-  // given loopback.stream(config.rank). With world size 1 the layer is the single-GPU layer.
+  // On a group of its own over `loopback` (EpGroup::create). With world size 1 the layer is the
+  // single-GPU layer.
   static MoeEpLayer create(const MoeLayer& local_layer, int64_t num_experts, const EpConfig& config,
                            const EpLoopback& loopback, bool deterministic = false);
   MoeEpLayer(MoeEpLayer&&) noexcept;
@@ -125,8 +149,10 @@ class MoeEpLayer {
 
   const EpConfig& config() const;
   EpExpertRange experts() const;
-  // Device bytes this rank holds: expert weights, symmetric buffers, workspaces.
+  // Device bytes of this layer's own state: its experts' and the shared expert's weights (the
+  // window and scratch it shares are group().device_bytes()).
   size_t device_bytes() const;
+  EpGroup group() const;
 
   // Runs the layer on this rank's tokens. `args.topk_ids` are global expert ids (ids outside
   // [0, E) are counted and skipped); `args.workspace` is ignored (the layer owns its workspaces);
@@ -155,9 +181,6 @@ class MoeEpLayer {
   MoeEpLayer();
   std::unique_ptr<Impl> impl_;
   void run_stages(const MoeRunArgs& args, cudaStream_t stream, const StageEvents* stages);
-  static MoeEpLayer create_on(const MoeLayer& local_layer, int64_t num_experts, const EpConfig& config,
-                              const std::function<std::unique_ptr<ep::EpTransport>()>& make_transport,
-                              const MoeTuning& tuning, bool deterministic);
 };
 
 }  // namespace megamoe

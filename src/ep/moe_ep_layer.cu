@@ -59,7 +59,7 @@ MoeLayer ep_local_layer(const MoeLayer& layer, const EpExpertRange& range) {
 
 namespace {
 
-// Device allocations of the layer, freed together.
+// Device allocations, freed together.
 struct DeviceAllocs {
   std::vector<void*> ptrs;
   size_t bytes = 0;
@@ -76,54 +76,167 @@ struct DeviceAllocs {
   }
 };
 
+// The buffers the layers of a group share, one run at a time: the local experts' workspace and
+// outputs, the shared expert's, its constant ids and weights.
+enum class Scratch { kRoutedWorkspace, kSharedWorkspace, kLocalOut, kSharedOut, kSharedIds, kSharedOnes, kCount };
+
 }  // namespace
 
-struct MoeEpLayer::Impl {
+struct EpGroup::Impl {
   EpConfig cfg;
+  int64_t hidden = 0;  // the largest layer's H and top_k: the window's capacity
+  int top_k = 0;
+  MoeTuning tuning;    // the local plans' (a loopback rank's SM share)
+  cudaStream_t required_stream = nullptr;  // a loopback rank's stream; null: any
+  std::unique_ptr<ep::EpTransport> transport;  // null for world size 1 (no exchange)
+  ep::EpWindowLayout layout{};
+  DeviceAllocs mem;
+  k90::EpState* state = nullptr;  // the exchange's epochs, counters and failure word
+  int32_t* error_host = nullptr;  // host-mapped
+  int32_t* error_dev = nullptr;
+  // Per kind, the largest scratch buffer made so far. A layer that needs more gets a new one; the
+  // old one stays allocated (earlier layers, and graphs captured with them, still use it).
+  std::pair<size_t, void*> scratch[static_cast<int>(Scratch::kCount)] = {};
+
+  void* scratch_at(Scratch kind, size_t bytes) {
+    auto& [have, ptr] = scratch[static_cast<int>(kind)];
+    if (ptr != nullptr && have >= bytes) return ptr;
+    ptr = mem.alloc<uint8_t>(bytes);
+    have = bytes;
+    if (kind == Scratch::kSharedIds) check_cuda(cudaMemset(ptr, 0, bytes), "cudaMemset");
+    if (kind == Scratch::kSharedOnes) {
+      const std::vector<float> ones(bytes / sizeof(float), 1.0f);
+      check_cuda(cudaMemcpy(ptr, ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice), "cudaMemcpy");
+    }
+    return ptr;
+  }
+  size_t bytes() const { return mem.bytes + (transport ? transport->window_bytes() : 0); }
+  ~Impl() {
+    // This rank's work has ended before its buffers are freed (the transport then also waits for
+    // every peer's before it frees the window).
+    cudaDeviceSynchronize();
+    if (error_host) cudaFreeHost(error_host);
+  }
+};
+
+namespace {
+
+using TransportFactory = std::function<std::unique_ptr<ep::EpTransport>()>;
+
+void check_config(const EpConfig& config) {
+  MEGAMOE_CHECK(config.world_size >= 1 && config.world_size <= ep::kMaxRanks && config.rank >= 0 &&
+                    config.rank < config.world_size,
+                kInvalidArgument, "expert parallelism: rank ", config.rank, " of world size ", config.world_size,
+                " is out of range (world size 1..", ep::kMaxRanks, ")");
+  MEGAMOE_CHECK(config.max_tokens_per_rank >= 1 && config.max_tokens_per_rank <= (int64_t{1} << 16), kInvalidArgument,
+                "expert parallelism: max_tokens_per_rank = ", config.max_tokens_per_rank, " must be in 1..65536");
+  MEGAMOE_CHECK(config.timeout_seconds > 0 && config.timeout_seconds <= 3600, kInvalidArgument,
+                "expert parallelism: timeout_seconds = ", config.timeout_seconds, " must be in (0, 3600]");
+}
+
+std::shared_ptr<EpGroup::Impl> make_group(const EpConfig& config, int64_t hidden_size, int top_k,
+                                          const TransportFactory& make_transport, const MoeTuning& tuning) {
+  check_config(config);
+  MEGAMOE_CHECK(hidden_size >= 64 && hidden_size % 64 == 0, kInvalidArgument, "EpGroup: hidden_size = ",
+                hidden_size, " must be a positive multiple of 64 (the largest layer's H)");
+  MEGAMOE_CHECK(top_k >= 1 && top_k <= 16, kInvalidArgument, "EpGroup: top_k = ", top_k,
+                " must be in 1..16 (the largest layer's top_k)");
+  auto g = std::make_shared<EpGroup::Impl>();
+  g->cfg = config;
+  g->hidden = hidden_size;
+  g->top_k = top_k;
+  g->tuning = tuning;
+  check_cuda(cudaSetDevice(config.device), "cudaSetDevice");
+  if (config.world_size == 1) return g;  // the single-GPU layer: nothing to exchange
+
+  // Loaded now, not at their first launch: a lazily loaded kernel waits for the running ones,
+  // which may be a peer's spin-wait for this very launch (the loopback's ranks share a GPU).
+  cudaFuncAttributes attributes{};
+  check_cuda(cudaFuncGetAttributes(&attributes, &k90::ep_send_kernel), "load ep_send_kernel");
+  check_cuda(cudaFuncGetAttributes(&attributes, &k90::ep_return_kernel), "load ep_return_kernel");
+  check_cuda(cudaFuncGetAttributes(&attributes, &k90::ep_combine_kernel), "load ep_combine_kernel");
+
+  g->state = g->mem.alloc<k90::EpState>(1);
+  check_cuda(cudaMemset(g->state, 0, sizeof(k90::EpState)), "cudaMemset");
+  check_cuda(cudaHostAlloc(&g->error_host, sizeof(int32_t), cudaHostAllocMapped), "cudaHostAlloc(error word)");
+  *g->error_host = 0;
+  check_cuda(cudaHostGetDevicePointer(&g->error_dev, g->error_host, 0), "cudaHostGetDevicePointer");
+  // The window: the same layout on every rank, for the largest layer.
+  g->layout = ep::ep_window_layout(config.world_size, config.max_tokens_per_rank, hidden_size, top_k);
+  g->transport = make_transport();
+  MEGAMOE_CHECK(g->transport->rank() == config.rank && g->transport->world_size() == config.world_size, kInternal,
+                "expert parallelism: the transport is rank ", g->transport->rank(), " of ",
+                g->transport->world_size(), ", the group rank ", config.rank, " of ", config.world_size);
+  g->transport->allocate_window(static_cast<size_t>(g->layout.bytes), ep::kFlagWords);
+  check_cuda(cudaDeviceSynchronize(), "EpGroup::create");
+  return g;
+}
+
+MoeTuning loopback_tuning(const EpConfig& config, const EpLoopback& loopback) {
+  MEGAMOE_CHECK(config.world_size == loopback.world_size() && config.device == loopback.device(), kInvalidArgument,
+                "expert parallelism: the config asks for world size ", config.world_size, " on device ", config.device,
+                "; the loopback has ", loopback.world_size(), " virtual ranks on device ", loopback.device());
+  MoeTuning tuning;
+  tuning.num_sms = loopback.sms_per_rank();
+  return tuning;
+}
+
+}  // namespace
+
+EpGroup EpGroup::create(const EpConfig& config, const EpUniqueId& id, int64_t hidden_size, int top_k) {
+  EpGroup g;
+  g.impl_ = make_group(config, hidden_size, top_k, [&] { return ep::make_transport(config, id); }, MoeTuning{});
+  return g;
+}
+
+EpGroup EpGroup::create(const EpConfig& config, const EpLoopback& loopback, int64_t hidden_size, int top_k) {
+  const MoeTuning tuning = loopback_tuning(config, loopback);
+  EpGroup g;
+  g.impl_ = make_group(config, hidden_size, top_k,
+                       [&] { return ep::make_loopback_transport(loopback, config.rank); }, tuning);
+  g.impl_->required_stream = loopback.stream(config.rank);
+  return g;
+}
+
+const EpConfig& EpGroup::config() const { return impl_->cfg; }
+size_t EpGroup::device_bytes() const { return impl_->bytes(); }
+
+struct MoeEpLayer::Impl {
+  std::shared_ptr<EpGroup::Impl> group;
   EpExpertRange range;
   int64_t num_experts = 0, hidden = 0;
   int top_k = 0;
   // World size 1: the single-GPU layer (routed_plan and routed_weights hold the shared expert too),
-  // no transport and no exchange.
+  // no exchange.
   bool single = false;
-  cudaStream_t required_stream = nullptr;  // a loopback rank's stream; null: any
-  std::unique_ptr<ep::EpTransport> transport;
-  ep::EpWindowLayout layout{};
   std::optional<MoePlan> routed_plan, shared_plan;
   std::optional<MoeDeviceWeights> routed_weights, shared_weights;
-  DeviceAllocs mem;
+  // In the group's scratch.
   void* routed_ws = nullptr;
   void* shared_ws = nullptr;
   int32_t* shared_ids = nullptr;  // [max_t] zeros: every token to the shared expert
   float* shared_w = nullptr;      // [max_t] ones
   float* local_out = nullptr;     // [R * max_t, H]
   float* shared_out = nullptr;    // [max_t, H]
-  k90::EpState* state = nullptr;  // the exchange's epochs, counters and failure word
-  int32_t* error_host = nullptr;  // host-mapped
-  int32_t* error_dev = nullptr;
-  ~Impl() {
-    if (error_host) cudaFreeHost(error_host);
-  }
 };
 
 MoeEpLayer::MoeEpLayer() : impl_(std::make_unique<Impl>()) {}
 MoeEpLayer::MoeEpLayer(MoeEpLayer&&) noexcept = default;
 MoeEpLayer& MoeEpLayer::operator=(MoeEpLayer&&) noexcept = default;
 MoeEpLayer::~MoeEpLayer() = default;
-const EpConfig& MoeEpLayer::config() const { return impl_->cfg; }
+const EpConfig& MoeEpLayer::config() const { return impl_->group->cfg; }
 EpExpertRange MoeEpLayer::experts() const { return impl_->range; }
+EpGroup MoeEpLayer::group() const {
+  EpGroup g;
+  g.impl_ = impl_->group;
+  return g;
+}
 
-namespace {
-
-using TransportFactory = std::function<std::unique_ptr<ep::EpTransport>()>;
-
-}  // namespace
-
-// The layer on any transport: `make_transport` is called (collectively) once the rank's local
-// state exists; `tuning` sizes the local plans (a loopback rank's SM share).
-MoeEpLayer MoeEpLayer::create_on(const MoeLayer& local_layer, int64_t num_experts, const EpConfig& config,
-                                 const TransportFactory& make_transport, const MoeTuning& tuning,
-                                 bool deterministic) {
+MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, const EpGroup& group,
+                              bool deterministic) {
+  MEGAMOE_CHECK(group.impl_ != nullptr, kInvalidArgument, "MoeEpLayer::create: the EpGroup was moved from");
+  EpGroup::Impl& g = *group.impl_;
+  const EpConfig& config = g.cfg;
   const int R = config.world_size;
   const EpExpertRange range = ep_expert_range(num_experts, R, config.rank);
   local_layer.validate();
@@ -131,18 +244,17 @@ MoeEpLayer MoeEpLayer::create_on(const MoeLayer& local_layer, int64_t num_expert
                 local_layer.num_experts, " experts; rank ", config.rank, " of ", R, " owns ", range.count,
                 " of the ", num_experts, " (ep_local_layer)");
   const int k = local_layer.routing.top_k;
-  MEGAMOE_CHECK(config.max_tokens_per_rank >= 1 && config.max_tokens_per_rank <= (int64_t{1} << 16), kInvalidArgument,
-                "MoeEpLayer: max_tokens_per_rank = ", config.max_tokens_per_rank, " must be in 1..65536");
-  MEGAMOE_CHECK(config.timeout_seconds > 0 && config.timeout_seconds <= 3600, kInvalidArgument,
-                "MoeEpLayer: timeout_seconds = ", config.timeout_seconds, " must be in (0, 3600]");
+  const int64_t H = local_layer.hidden_size, max_t = config.max_tokens_per_rank;
+  MEGAMOE_CHECK(H <= g.hidden && k <= g.top_k, kInvalidArgument, "MoeEpLayer: the layer's H = ", H, " and top_k = ",
+                k, " exceed its group's window, made for H <= ", g.hidden, " and top_k <= ", g.top_k,
+                " (EpGroup::create: give the largest layer's)");
   MoeEpLayer out;
   Impl& m = *out.impl_;
-  m.cfg = config;
+  m.group = group.impl_;
   m.range = range;
   m.num_experts = num_experts;
-  m.hidden = local_layer.hidden_size;
+  m.hidden = H;
   m.top_k = k;
-  const int64_t H = m.hidden, max_t = config.max_tokens_per_rank;
   check_cuda(cudaSetDevice(config.device), "cudaSetDevice");
 
   if (R == 1) {
@@ -152,19 +264,12 @@ MoeEpLayer MoeEpLayer::create_on(const MoeLayer& local_layer, int64_t num_expert
     p.top_k = k;
     p.deterministic = deterministic;
     p.precision = config.precision;
-    m.routed_plan = MoePlan::create(p, tuning);
+    m.routed_plan = MoePlan::create(p, g.tuning);
     m.routed_weights = MoeDeviceWeights::upload(local_layer);
-    m.routed_ws = m.mem.alloc<uint8_t>(m.routed_plan->workspace_bytes());
+    m.routed_ws = g.scratch_at(Scratch::kRoutedWorkspace, m.routed_plan->workspace_bytes());
     check_cuda(cudaDeviceSynchronize(), "MoeEpLayer::create");
     return out;
   }
-
-  // Loaded now, not at their first launch: a lazily loaded kernel waits for the running ones,
-  // which may be a peer's spin-wait for this very launch (the loopback's ranks share a GPU).
-  cudaFuncAttributes attributes{};
-  check_cuda(cudaFuncGetAttributes(&attributes, &k90::ep_send_kernel), "load ep_send_kernel");
-  check_cuda(cudaFuncGetAttributes(&attributes, &k90::ep_return_kernel), "load ep_return_kernel");
-  check_cuda(cudaFuncGetAttributes(&attributes, &k90::ep_combine_kernel), "load ep_combine_kernel");
 
   // The rank's own experts, on the rows that arrive from every rank (fp32 out). Gated
   // (run_gated): deterministic, so that no accumulator of R * max_t rows is zeroed per run, and
@@ -180,7 +285,7 @@ MoeEpLayer MoeEpLayer::create_on(const MoeLayer& local_layer, int64_t num_expert
   rp.swiglu_limit = local_layer.swiglu_limit;
   rp.deterministic = true;
   rp.precision = config.precision;
-  MoeTuning routed_tuning = tuning;
+  MoeTuning routed_tuning = g.tuning;
   routed_tuning.early_start = false;
   m.routed_plan = MoePlan::create(rp, routed_tuning);
   m.routed_weights = MoeDeviceWeights::upload(routed);
@@ -197,59 +302,37 @@ MoeEpLayer MoeEpLayer::create_on(const MoeLayer& local_layer, int64_t num_expert
     MoeProblem sp = MoeProblem::from_layer(shared, max_t);
     sp.deterministic = deterministic;
     sp.precision = config.precision;
-    m.shared_plan = MoePlan::create(sp, tuning);
+    m.shared_plan = MoePlan::create(sp, g.tuning);
     m.shared_weights = MoeDeviceWeights::upload(shared);
-    m.shared_ws = m.mem.alloc<uint8_t>(m.shared_plan->workspace_bytes());
-    m.shared_ids = m.mem.alloc<int32_t>(static_cast<size_t>(max_t));
-    m.shared_w = m.mem.alloc<float>(static_cast<size_t>(max_t));
-    m.shared_out = m.mem.alloc<float>(static_cast<size_t>(max_t * H));
-    check_cuda(cudaMemset(m.shared_ids, 0, static_cast<size_t>(max_t) * 4), "cudaMemset");
-    const std::vector<float> ones(static_cast<size_t>(max_t), 1.0f);
-    check_cuda(cudaMemcpy(m.shared_w, ones.data(), ones.size() * 4, cudaMemcpyHostToDevice), "cudaMemcpy");
+    m.shared_ws = g.scratch_at(Scratch::kSharedWorkspace, m.shared_plan->workspace_bytes());
+    m.shared_ids = static_cast<int32_t*>(g.scratch_at(Scratch::kSharedIds, static_cast<size_t>(max_t) * 4));
+    m.shared_w = static_cast<float*>(g.scratch_at(Scratch::kSharedOnes, static_cast<size_t>(max_t) * 4));
+    m.shared_out = static_cast<float*>(g.scratch_at(Scratch::kSharedOut, static_cast<size_t>(max_t * H) * 4));
   }
-  m.routed_ws = m.mem.alloc<uint8_t>(m.routed_plan->workspace_bytes());
-  m.local_out = m.mem.alloc<float>(static_cast<size_t>(R * max_t * H));
-  m.state = m.mem.alloc<k90::EpState>(1);
-  check_cuda(cudaMemset(m.state, 0, sizeof(k90::EpState)), "cudaMemset");
-  check_cuda(cudaHostAlloc(&m.error_host, sizeof(int32_t), cudaHostAllocMapped), "cudaHostAlloc(error word)");
-  *m.error_host = 0;
-  check_cuda(cudaHostGetDevicePointer(&m.error_dev, m.error_host, 0), "cudaHostGetDevicePointer");
-
-  // The windows: the same layout on every rank.
-  m.layout = ep::ep_window_layout(R, max_t, H, k);
-  m.transport = make_transport();
-  MEGAMOE_CHECK(m.transport->rank() == config.rank && m.transport->world_size() == R, kInternal,
-                "expert parallelism: the transport is rank ", m.transport->rank(), " of ",
-                m.transport->world_size(), ", the layer rank ", config.rank, " of ", R);
-  m.transport->allocate_window(static_cast<size_t>(m.layout.bytes), ep::kFlagWords);
+  m.routed_ws = g.scratch_at(Scratch::kRoutedWorkspace, m.routed_plan->workspace_bytes());
+  m.local_out = static_cast<float*>(g.scratch_at(Scratch::kLocalOut, static_cast<size_t>(R * max_t * H) * 4));
   check_cuda(cudaDeviceSynchronize(), "MoeEpLayer::create");
   return out;
 }
 
 MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, const EpConfig& config,
                               const EpUniqueId& id, bool deterministic) {
-  return create_on(local_layer, num_experts, config, [&] { return ep::make_transport(config, id); }, MoeTuning{},
-                   deterministic);
+  check_config(config);
+  return create(local_layer, num_experts,
+                EpGroup::create(config, id, local_layer.hidden_size, local_layer.routing.top_k), deterministic);
 }
 
 MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, const EpConfig& config,
                               const EpLoopback& loopback, bool deterministic) {
-  MEGAMOE_CHECK(config.world_size == loopback.world_size() && config.device == loopback.device(), kInvalidArgument,
-                "MoeEpLayer: the config asks for world size ", config.world_size, " on device ", config.device,
-                "; the loopback has ", loopback.world_size(), " virtual ranks on device ", loopback.device());
-  MoeTuning tuning;
-  tuning.num_sms = loopback.sms_per_rank();
-  MoeEpLayer out = create_on(local_layer, num_experts, config,
-                             [&] { return ep::make_loopback_transport(loopback, config.rank); }, tuning,
-                             deterministic);
-  out.impl_->required_stream = loopback.stream(config.rank);
-  return out;
+  check_config(config);
+  return create(local_layer, num_experts,
+                EpGroup::create(config, loopback, local_layer.hidden_size, local_layer.routing.top_k),
+                deterministic);
 }
 
 size_t MoeEpLayer::device_bytes() const {
   const Impl& m = *impl_;
-  return m.mem.bytes + m.routed_weights->device_bytes() + (m.shared_weights ? m.shared_weights->device_bytes() : 0) +
-         (m.transport ? m.transport->window_bytes() : 0);
+  return m.routed_weights->device_bytes() + (m.shared_weights ? m.shared_weights->device_bytes() : 0);
 }
 
 void MoeEpLayer::run(const MoeRunArgs& args, cudaStream_t stream) { run_stages(args, stream, nullptr); }
@@ -260,19 +343,20 @@ void MoeEpLayer::run(const MoeRunArgs& args, cudaStream_t stream, const StageEve
 
 void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const StageEvents* stages) {
   Impl& m = *impl_;
+  EpGroup::Impl& g = *m.group;
   auto mark = [&](cudaEvent_t StageEvents::*which) {
     if (stages != nullptr) check_cuda(cudaEventRecord(stages->*which, stream), "cudaEventRecord(stage)");
   };
-  const int R = m.cfg.world_size;
-  const int64_t max_t = m.cfg.max_tokens_per_rank, H = m.hidden;
+  const int R = g.cfg.world_size;
+  const int64_t max_t = g.cfg.max_tokens_per_rank, H = m.hidden;
   MEGAMOE_CHECK(args.tokens >= 0 && args.tokens <= max_t, kInvalidArgument, "MoeEpLayer::run: tokens = ",
                 args.tokens, " must be in 0..max_tokens_per_rank = ", max_t);
   MEGAMOE_CHECK(args.tokens == 0 || (args.hidden && args.topk_ids && args.topk_weights && args.output), kInvalidArgument,
                 "MoeEpLayer::run: hidden, topk_ids, topk_weights and output must be device pointers, not null");
   MEGAMOE_CHECK(args.output_f32 == nullptr, kInvalidArgument, "MoeEpLayer::run: the output is bf16 (output)");
-  MEGAMOE_CHECK(m.required_stream == nullptr || stream == m.required_stream, kInvalidArgument,
-                "MoeEpLayer::run: loopback rank ", m.cfg.rank, " runs on its own SMs: pass EpLoopback::stream(",
-                m.cfg.rank, ")");
+  MEGAMOE_CHECK(g.required_stream == nullptr || stream == g.required_stream, kInvalidArgument,
+                "MoeEpLayer::run: loopback rank ", g.cfg.rank, " runs on its own SMs: pass EpLoopback::stream(",
+                g.cfg.rank, ")");
   if (m.single) {
     mark(&StageEvents::start);
     mark(&StageEvents::sent);
@@ -286,16 +370,16 @@ void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const S
     mark(&StageEvents::done);
     return;
   }
-  // Host-mapped, so readable without a synchronisation: a layer whose exchange failed is unusable.
-  const int32_t failed = *reinterpret_cast<volatile int32_t*>(m.error_host);
+  // Host-mapped, so readable without a synchronisation: a group whose exchange failed is unusable.
+  const int32_t failed = *reinterpret_cast<volatile int32_t*>(g.error_host);
   MEGAMOE_CHECK(failed == 0, kCuda, "MoeEpLayer::run: an earlier run failed (see check()); destroy and re-create the "
-                "layer on every rank");
+                "layers and their group on every rank");
   MEGAMOE_CHECK(reinterpret_cast<uintptr_t>(args.hidden) % 16 == 0 && reinterpret_cast<uintptr_t>(args.output) % 16 == 0,
                 kInvalidArgument, "MoeEpLayer::run: hidden and output must be 16-byte aligned");
 
   k90::EpExchangeParams p{};
-  p.peers = m.transport->peers();
-  p.layout = m.layout;
+  p.peers = g.transport->peers();
+  p.layout = g.layout;
   p.max_t = max_t;
   p.hidden = H;
   p.top_k = m.top_k;
@@ -308,14 +392,14 @@ void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const S
   p.local_out = m.local_out;
   p.shared_out = m.shared_plan && args.tokens > 0 ? m.shared_out : nullptr;
   p.out = reinterpret_cast<__nv_bfloat16*>(args.output);
-  p.state = m.state;
-  p.failure.timeout_ns = static_cast<uint64_t>(m.cfg.timeout_seconds * 1e9);
-  p.failure.failed = &m.state->failed;
-  p.failure.error = m.error_dev;
-  p.failure.rank = m.cfg.rank;
+  p.state = g.state;
+  p.failure.timeout_ns = static_cast<uint64_t>(g.cfg.timeout_seconds * 1e9);
+  p.failure.failed = &g.state->failed;
+  p.failure.error = g.error_dev;
+  p.failure.rank = g.cfg.rank;
   for (int d = 0; d < R; ++d) {
-    p.failure.targets[p.failure.target_count++] = p.peers.flags[d] + ep::kSentWord + m.cfg.rank;
-    p.failure.targets[p.failure.target_count++] = p.peers.flags[d] + ep::kDoneWord + m.cfg.rank;
+    p.failure.targets[p.failure.target_count++] = p.peers.flags[d] + ep::kSentWord + g.cfg.rank;
+    p.failure.targets[p.failure.target_count++] = p.peers.flags[d] + ep::kDoneWord + g.cfg.rank;
   }
 
   mark(&StageEvents::start);
@@ -338,22 +422,22 @@ void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const S
   // This rank's experts on the rows that arrive: the gated dispatch waits for every source's
   // {epoch, rows} word and takes the rows reserved in the receive count. Configured for as many
   // rows as this rank has tokens (a balanced batch sends each rank about that many selections).
-  const char* window = m.transport->local_base();
+  const char* window = g.transport->local_base();
   MoeRunArgs local{};
-  local.hidden = reinterpret_cast<const uint16_t*>(window + m.layout.recv_x);
-  local.topk_ids = reinterpret_cast<const int32_t*>(window + m.layout.recv_ids);
-  local.topk_weights = reinterpret_cast<const float*>(window + m.layout.recv_w);
+  local.hidden = reinterpret_cast<const uint16_t*>(window + g.layout.recv_x);
+  local.topk_ids = reinterpret_cast<const int32_t*>(window + g.layout.recv_ids);
+  local.topk_weights = reinterpret_cast<const float*>(window + g.layout.recv_w);
   local.tokens = R * max_t;
   local.output_f32 = m.local_out;
   local.workspace = m.routed_ws;
   runtime::GatedTokens gated;
-  gated.gate.words = m.transport->peers().flags[m.cfg.rank] + ep::kSentWord;
+  gated.gate.words = g.transport->peers().flags[g.cfg.rank] + ep::kSentWord;
   gated.gate.producers = R;
   gated.gate.stage = k90::EpFailure::kStageDispatch;
   gated.gate.count =
-      reinterpret_cast<const unsigned long long*>(m.transport->peers().flags[m.cfg.rank] + ep::kRecvCountWord);
-  gated.gate.epoch = &m.state->epoch;
-  gated.gate.rows = &m.state->rows;
+      reinterpret_cast<const unsigned long long*>(g.transport->peers().flags[g.cfg.rank] + ep::kRecvCountWord);
+  gated.gate.epoch = &g.state->epoch;
+  gated.gate.rows = &g.state->rows;
   gated.gate.failure = p.failure;
   gated.hint = std::min<int64_t>(std::max<int64_t>(args.tokens, 1), local.tokens);
   runtime::run_gated(*m.routed_plan, *m.routed_weights, local, gated, stream);
@@ -380,14 +464,15 @@ const char* stage_name(int32_t stage) {
 
 void MoeEpLayer::check(cudaStream_t stream) const {
   const Impl& m = *impl_;
+  const EpGroup::Impl& g = *m.group;
   check_cuda(cudaStreamSynchronize(stream), "MoeEpLayer::check");
   if (m.single) return;
   using F = k90::EpFailure;
-  const int32_t e = *reinterpret_cast<volatile int32_t*>(m.error_host);
-  MEGAMOE_CHECK(F::kind(e) != F::kPeerGaveUp, kCuda, "expert parallelism: rank ", m.cfg.rank, ": rank ",
+  const int32_t e = *reinterpret_cast<volatile int32_t*>(g.error_host);
+  MEGAMOE_CHECK(F::kind(e) != F::kPeerGaveUp, kCuda, "expert parallelism: rank ", g.cfg.rank, ": rank ",
                 F::peer_rank(e), " gave up waiting ", stage_name(F::peer_stage(e)),
                 " (a peer of it never arrived); every rank has stopped exchanging, the outputs since are undefined");
-  MEGAMOE_CHECK(e == 0, kCuda, "expert parallelism: rank ", m.cfg.rank, " waited more than ", m.cfg.timeout_seconds,
+  MEGAMOE_CHECK(e == 0, kCuda, "expert parallelism: rank ", g.cfg.rank, " waited more than ", g.cfg.timeout_seconds,
                 " s ", stage_name(F::kind(e)),
                 ": a peer rank never arrived (it failed, or does not call run() as often); every rank has "
                 "stopped exchanging, the outputs since are undefined");
@@ -397,7 +482,7 @@ int64_t MoeEpLayer::invalid_id_count(cudaStream_t stream) const {
   const Impl& m = *impl_;
   if (m.single) return m.routed_plan->invalid_id_count(m.routed_ws, stream);
   k90::EpState state{};
-  check_cuda(cudaMemcpyAsync(&state, m.state, sizeof(state), cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
+  check_cuda(cudaMemcpyAsync(&state, m.group->state, sizeof(state), cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync");
   check(stream);  // a failed exchange's count means nothing
   return state.invalid[state.epoch & 1];
 }

@@ -275,6 +275,55 @@ TEST(GpuEpLoopback, WorldSizeOneIsTheSingleGpuLayer) {
   expect_matches_reference(layer, io, "R=1");
 }
 
+// Two layers of different shapes on one group per rank (one window, one scratch), run in turns
+// as a model's layers are: each matches its reference, and the second layer adds no window.
+TEST(GpuEpLoopback, LayersShareOneGroup) {
+  MEGAMOE_REQUIRE_GPU();
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
+  const int R = 4;
+  if (!loopback_available(R)) return;
+  const int64_t max_t = 8;
+  const MoeLayer big = testing::random_layer(rng, 512, 256, 32, 6, 256);
+  const MoeLayer small = testing::random_layer(rng, 256, 512, 16, 4);
+  const EpLoopback loopback = EpLoopback::create(R);
+  std::vector<EpGroup> groups;
+  std::vector<MoeEpLayer> first, second;
+  for (int r = 0; r < R; ++r) {
+    EpConfig cfg;
+    cfg.world_size = R;
+    cfg.rank = r;
+    cfg.max_tokens_per_rank = max_t;
+    groups.push_back(EpGroup::create(cfg, loopback, big.hidden_size, big.routing.top_k));
+    first.push_back(MoeEpLayer::create(ep_local_layer(big, ep_expert_range(32, R, r)), 32, groups[r], true));
+  }
+  const size_t group_bytes = groups[0].device_bytes();
+  for (int r = 0; r < R; ++r) {
+    second.push_back(MoeEpLayer::create(ep_local_layer(small, ep_expert_range(16, R, r)), 16, groups[r], true));
+  }
+  EXPECT_EQ(groups[0].device_bytes(), group_bytes) << "the smaller layer fits the first one's window and scratch";
+  for (int round = 0; round < 3; ++round) {
+    for (const bool use_big : {true, false}) {
+      const MoeLayer& layer = use_big ? big : small;
+      std::vector<MoeEpLayer>& ranks = use_big ? first : second;
+      std::vector<int64_t> tokens(R);
+      for (int r = 0; r < R; ++r) tokens[r] = rng.uniform_int(0, static_cast<int>(max_t));
+      std::vector<RankIo> io = draw_inputs(rng, tokens, layer.hidden_size, layer.num_experts, layer.routing.top_k);
+      for (int r = 0; r < R; ++r) {
+        if (io[r].tokens > 0) io[r].d_out->poison();
+      }
+      gpu::check_cuda(cudaDeviceSynchronize(), "inputs");
+      for (int r = 0; r < R; ++r) ranks[r].run(io[r].args(), loopback.stream(r));
+      for (int r = 0; r < R; ++r) ranks[r].check(loopback.stream(r));
+      expect_matches_reference(layer, io, std::string(use_big ? "first" : "second") + " layer, round " +
+                                              std::to_string(round));
+    }
+  }
+  const MoeLayer wide = testing::random_layer(rng, 1024, 256, 32, 6);
+  EXPECT_MEGAMOE_ERROR(MoeEpLayer::create(ep_local_layer(wide, ep_expert_range(32, R, 0)), 32, groups[0]),
+                       kInvalidArgument, "exceed its group's window");
+}
+
 // Ranks delayed at random before they run still give the reference's answer.
 TEST(GpuEpLoopback, InjectedDelaysChangeNothing) {
   MEGAMOE_REQUIRE_GPU();

@@ -102,7 +102,7 @@ void run_ep_rank(const RunArgs& args) {
   MEGAMOE_CHECK(f.good(), kIo, "megamoe run --ep: rank ", r, " could not write '", args.output, "'");
   std::fprintf(stderr, "megamoe run --ep %d: rank %d: experts [%lld, %lld), tokens [%lld, %lld), %.2f GB on GPU %d\n", R,
                r, (long long)range.first, (long long)(range.first + range.count), (long long)first, (long long)end,
-               layer.device_bytes() / 1e9, r);
+               (layer.device_bytes() + layer.group().device_bytes()) / 1e9, r);
 }
 
 // The launcher: starts the R ranks, waits for all of them (a rank that fails ends the others),
