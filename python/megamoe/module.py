@@ -275,6 +275,10 @@ class NVFP4MoE(torch.nn.Module):
                              f"dimension must be hidden_size = {self.hidden_size}")
         x = hidden.reshape(-1, self.hidden_size).contiguous()
         if len(routing) == 2:
+            for name, t in zip(("topk_weights", "topk_ids"), routing):
+                if t.dim() == 0 or t.shape[-1] != self.top_k:
+                    raise ValueError(f"NVFP4MoE: {name} has shape {tuple(t.shape)}; its last "
+                                     f"dimension must be top_k = {self.top_k}")
             topk_weights, topk_ids = (t.reshape(-1, self.top_k).contiguous() for t in routing)
         else:
             logits = routing[0].reshape(-1, self.num_experts) if routing else self.router_logits(x)

@@ -338,6 +338,14 @@ def test_module_rejects_bad_calls():
     expect_error(ValueError, "the last dimension must be hidden_size = 128", module,
                  hidden_of(4, 64), w, ids)
     expect_error(ValueError, "has no router weight", module, x)
+    # Routing of another width is named as such (it used to be reshaped to [-1, top_k] first,
+    # and 8 tokens of width 3 then read as "topk_ids has shape [6, 4]; expected [8, 4]").
+    module4 = make_module(8, 128, 64, 4, router=False)
+    w3, ids3 = random_routing(8, 8, 3)
+    expect_error(ValueError, "topk_ids has shape (8, 3); its last dimension must be top_k = 4", module4,
+                 hidden_of(8, 128), torch.ones(8, 4, device="cuda"), ids3)
+    expect_error(ValueError, "topk_weights has shape (8, 3); its last dimension must be top_k = 4",
+                 module4, hidden_of(8, 128), w3, ids3)
 
 
 def test_precision_option():
