@@ -75,9 +75,10 @@ MoeLayer ep_local_layer(const MoeLayer& layer, const EpExpertRange& range);
 // cannot starve a peer) and a stream on them; the ranks' windows are plain device buffers of the
 // GPU. The layers run the same device code as over NCCL, so the outputs equal those of R GPUs
 // for the same routing; the timings are of SM partitions of one GPU, not of R GPUs.
-// One thread drives every rank: create each rank's layer (create() does not wait for the other
-// ranks), then call each rank's run() on stream(rank). Shared by copies; the streams, contexts
-// and windows live until the last copy and the last layer made with it are destroyed.
+// One thread drives every rank: create each rank's groups and layers (create() does not wait for
+// the other ranks, but it synchronises the device: make them all before the first run), then call
+// each rank's run() on stream(rank). Shared by copies; the streams, contexts and windows live
+// until the last copy and the last layer made with it are destroyed.
 class EpLoopback {
  public:
   // Splits `device`'s SMs into world_size equal groups (whole multiples of the split's
@@ -103,8 +104,11 @@ class EpLoopback {
 // the largest layer (hidden_size, top_k) and config.max_tokens_per_rank, and the scratch the
 // layers' local experts use (sized by the largest layer made on it). A layer keeps only its
 // weights and plans. The layers of a group run one at a time, in stream order, in the same order
-// on every rank. Creating one is collective (every rank, the same arguments). Shared by copies
-// and by the layers made on it; freed with the last (after every rank's work has ended).
+// on every rank (two runs of one group on two streams at once share its window and epoch: a run
+// that then receives more rows than the window holds fails loudly, anything else is undefined).
+// Creating one is collective (every rank, the same arguments; ranks that ask for different
+// windows fail). Shared by copies and by the layers made on it; freed with the last (after every
+// rank's work has ended).
 class EpGroup {
  public:
   // Throws megamoe::Error: kInvalidArgument (the config's ranges, hidden_size not a positive
@@ -173,7 +177,8 @@ class MoeEpLayer {
   // that gave up first and where), or with the CUDA error. A replayed graph's failure surfaces
   // here too.
   void check(cudaStream_t stream) const;
-  // Top-k ids outside [0, E) seen by the last run (synchronises `stream`).
+  // Top-k ids outside [0, E) seen by the last run of any layer of this layer's group
+  // (synchronises `stream`).
   int64_t invalid_id_count(cudaStream_t stream) const;
 
  private:

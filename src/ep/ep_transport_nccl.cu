@@ -185,6 +185,8 @@ class NcclTransport final : public EpTransport {
   // Every rank's window is zeroed before any peer writes into it: a one-element all-reduce over
   // the communicator, bounded by the deadline like the rest of the setup.
   void setup_barrier(Clock::time_point deadline);
+  // The element-wise maximum of `count` values over the ranks, bounded the same way.
+  void all_reduce_max(const int64_t* in, int64_t* out, int count, Clock::time_point deadline);
   NcclResources nccl_;
   int rank_ = 0, world_ = 0;
   double timeout_seconds_ = 0;
@@ -242,6 +244,16 @@ void NcclTransport::allocate_window(size_t data_bytes, size_t flag_words) {
   const int64_t me = rank;
   gpu::check_cuda(cudaMemcpy(nccl_.buffer, &me, sizeof(me), cudaMemcpyHostToDevice), "cudaMemcpy(peer check)");
   setup_barrier(deadline);
+  // Every rank must lay its window out the same way (the same group shape): peers write at offsets
+  // computed from their own layout.
+  const int64_t mine[4] = {static_cast<int64_t>(data_bytes), -static_cast<int64_t>(data_bytes),
+                           static_cast<int64_t>(flag_words), -static_cast<int64_t>(flag_words)};
+  int64_t agreed[4];
+  all_reduce_max(mine, agreed, 4, deadline);
+  MEGAMOE_CHECK(agreed[0] == -agreed[1] && agreed[2] == -agreed[3], kInvalidArgument, "expert parallelism: rank ",
+                rank, " asks for a window of ", data_bytes, " bytes and ", flag_words,
+                " signal words, and its peers for between ", -agreed[1], " and ", agreed[0], " bytes: every rank must "
+                "create its group with the same hidden_size, top_k and max_tokens_per_rank");
   // Where NCCL has no symmetric memory between these GPUs (no peer access, no cuMem), window
   // registration succeeds with a handle that does not map the peers: check that every rank's
   // window holds what that rank wrote, through the pointers the kernels will use.
@@ -280,8 +292,41 @@ NcclTransport::~NcclTransport() {
     gpu::check_cuda(cudaDeviceSynchronize(), "expert parallelism teardown");
     setup_barrier(deadline_after(10.0));
   } catch (const std::exception&) {
-    // A failed teardown barrier has aborted the communicator (setup_barrier); the rest is freed.
+    // A peer did not reach the teardown barrier (setup_barrier has aborted the communicator): it
+    // may still write into this window, which is therefore left allocated.
+    nccl_.buffer = nullptr;
   }
+}
+
+void NcclTransport::all_reduce_max(const int64_t* in, int64_t* out, int count, Clock::time_point deadline) {
+  int64_t* dev = nullptr;
+  gpu::check_cuda(cudaMalloc(&dev, sizeof(int64_t) * static_cast<size_t>(count)), "cudaMalloc");
+  const auto free_dev = [&] { cudaFree(dev); };
+  try {
+    gpu::check_cuda(cudaMemcpy(dev, in, sizeof(int64_t) * static_cast<size_t>(count), cudaMemcpyHostToDevice),
+                    "cudaMemcpy");
+    const ncclResult_t started = ncclAllReduce(dev, dev, static_cast<size_t>(count), ncclInt64, ncclMax, nccl_.comm,
+                                               nullptr);
+    check_nccl(poll_nccl(nccl_.comm, started, "ncclAllReduce(window check)", deadline, timeout_seconds_),
+               "ncclAllReduce(window check)");
+    cudaError_t done = cudaErrorNotReady;
+    while ((done = cudaStreamQuery(nullptr)) == cudaErrorNotReady) {
+      if (Clock::now() > deadline) {
+        ncclCommAbort(nccl_.comm);
+        nccl_.comm = nullptr;
+        MEGAMOE_FAIL(kCuda, "expert parallelism: the window check did not complete within ", timeout_seconds_,
+                     " s: a peer rank stopped during setup");
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    gpu::check_cuda(done, "window check");
+    gpu::check_cuda(cudaMemcpy(out, dev, sizeof(int64_t) * static_cast<size_t>(count), cudaMemcpyDeviceToHost),
+                    "cudaMemcpy");
+  } catch (...) {
+    free_dev();
+    throw;
+  }
+  free_dev();
 }
 
 void NcclTransport::setup_barrier(Clock::time_point deadline) {

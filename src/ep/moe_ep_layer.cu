@@ -94,6 +94,8 @@ struct EpGroup::Impl {
   k90::EpState* state = nullptr;  // the exchange's epochs, counters and failure word
   int32_t* error_host = nullptr;  // host-mapped
   int32_t* error_dev = nullptr;
+  // A run() that threw after its send was queued: the ranks' epochs may no longer agree.
+  bool broken = false;
   // Per kind, the largest scratch buffer made so far. A layer that needs more gets a new one; the
   // old one stays allocated (earlier layers, and graphs captured with them, still use it).
   std::pair<size_t, void*> scratch[static_cast<int>(Scratch::kCount)] = {};
@@ -372,8 +374,8 @@ void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const S
   }
   // Host-mapped, so readable without a synchronisation: a group whose exchange failed is unusable.
   const int32_t failed = *reinterpret_cast<volatile int32_t*>(g.error_host);
-  MEGAMOE_CHECK(failed == 0, kCuda, "MoeEpLayer::run: an earlier run failed (see check()); destroy and re-create the "
-                "layers and their group on every rank");
+  MEGAMOE_CHECK(failed == 0 && !g.broken, kCuda, "MoeEpLayer::run: an earlier run failed (see check()); destroy and "
+                "re-create the layers and their group on every rank");
   MEGAMOE_CHECK(reinterpret_cast<uintptr_t>(args.hidden) % 16 == 0 && reinterpret_cast<uintptr_t>(args.output) % 16 == 0,
                 kInvalidArgument, "MoeEpLayer::run: hidden and output must be 16-byte aligned");
 
@@ -406,50 +408,56 @@ void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const S
   const unsigned send_blocks = static_cast<unsigned>(std::clamp<int64_t>((args.tokens + 7) / 8, 1, 1024));
   k90::ep_send_kernel<<<send_blocks, 256, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "ep_send_kernel launch");
-  // The shared expert on this rank's own tokens, while the peers' rows are on their way.
-  if (m.shared_plan && args.tokens > 0) {
-    MoeRunArgs shared{};
-    shared.hidden = args.hidden;
-    shared.topk_ids = m.shared_ids;
-    shared.topk_weights = m.shared_w;
-    shared.tokens = args.tokens;
-    shared.output_f32 = m.shared_out;
-    shared.workspace = m.shared_ws;
-    megamoe::run(*m.shared_plan, *m.shared_weights, shared, stream);
+  // From here on the peers count on this run: a host failure leaves the group unusable.
+  try {
+    mark(&StageEvents::sent);
+    // The shared expert on this rank's own tokens, while the peers' rows are on their way.
+    if (m.shared_plan && args.tokens > 0) {
+      MoeRunArgs shared{};
+      shared.hidden = args.hidden;
+      shared.topk_ids = m.shared_ids;
+      shared.topk_weights = m.shared_w;
+      shared.tokens = args.tokens;
+      shared.output_f32 = m.shared_out;
+      shared.workspace = m.shared_ws;
+      megamoe::run(*m.shared_plan, *m.shared_weights, shared, stream);
+    }
+
+    // This rank's experts on the rows that arrive: the gated dispatch waits for every source's
+    // {epoch, rows} word and takes the rows reserved in the receive count. Configured for as many
+    // rows as this rank has tokens (a balanced batch sends each rank about that many selections).
+    const char* window = g.transport->local_base();
+    MoeRunArgs local{};
+    local.hidden = reinterpret_cast<const uint16_t*>(window + g.layout.recv_x);
+    local.topk_ids = reinterpret_cast<const int32_t*>(window + g.layout.recv_ids);
+    local.topk_weights = reinterpret_cast<const float*>(window + g.layout.recv_w);
+    local.tokens = R * max_t;
+    local.output_f32 = m.local_out;
+    local.workspace = m.routed_ws;
+    runtime::GatedTokens gated;
+    gated.gate.words = g.transport->peers().flags[g.cfg.rank] + ep::kSentWord;
+    gated.gate.producers = R;
+    gated.gate.stage = k90::EpFailure::kStageDispatch;
+    gated.gate.count =
+        reinterpret_cast<const unsigned long long*>(g.transport->peers().flags[g.cfg.rank] + ep::kRecvCountWord);
+    gated.gate.epoch = &g.state->epoch;
+    gated.gate.rows = &g.state->rows;
+    gated.gate.failure = p.failure;
+    gated.hint = std::min<int64_t>(std::max<int64_t>(args.tokens, 1), local.tokens);
+    runtime::run_gated(*m.routed_plan, *m.routed_weights, local, gated, stream);
+    mark(&StageEvents::computed);
+
+    const int num_sms = m.routed_plan->num_sms();
+    const unsigned return_blocks = static_cast<unsigned>(std::clamp<int64_t>((R * max_t + 7) / 8, 1, 2 * num_sms));
+    runtime::launch_dependent(&k90::ep_return_kernel, return_blocks, 256, 0, stream, p);
+    mark(&StageEvents::returned);
+    const unsigned combine_blocks = static_cast<unsigned>(std::clamp<int64_t>(args.tokens, 1, 1024));
+    runtime::launch_dependent(&k90::ep_combine_kernel, combine_blocks, 256, 0, stream, p);
+    mark(&StageEvents::done);
+  } catch (...) {
+    g.broken = true;
+    throw;
   }
-  mark(&StageEvents::sent);
-
-  // This rank's experts on the rows that arrive: the gated dispatch waits for every source's
-  // {epoch, rows} word and takes the rows reserved in the receive count. Configured for as many
-  // rows as this rank has tokens (a balanced batch sends each rank about that many selections).
-  const char* window = g.transport->local_base();
-  MoeRunArgs local{};
-  local.hidden = reinterpret_cast<const uint16_t*>(window + g.layout.recv_x);
-  local.topk_ids = reinterpret_cast<const int32_t*>(window + g.layout.recv_ids);
-  local.topk_weights = reinterpret_cast<const float*>(window + g.layout.recv_w);
-  local.tokens = R * max_t;
-  local.output_f32 = m.local_out;
-  local.workspace = m.routed_ws;
-  runtime::GatedTokens gated;
-  gated.gate.words = g.transport->peers().flags[g.cfg.rank] + ep::kSentWord;
-  gated.gate.producers = R;
-  gated.gate.stage = k90::EpFailure::kStageDispatch;
-  gated.gate.count =
-      reinterpret_cast<const unsigned long long*>(g.transport->peers().flags[g.cfg.rank] + ep::kRecvCountWord);
-  gated.gate.epoch = &g.state->epoch;
-  gated.gate.rows = &g.state->rows;
-  gated.gate.failure = p.failure;
-  gated.hint = std::min<int64_t>(std::max<int64_t>(args.tokens, 1), local.tokens);
-  runtime::run_gated(*m.routed_plan, *m.routed_weights, local, gated, stream);
-  mark(&StageEvents::computed);
-
-  const int num_sms = m.routed_plan->num_sms();
-  const unsigned return_blocks = static_cast<unsigned>(std::clamp<int64_t>((R * max_t + 7) / 8, 1, 2 * num_sms));
-  runtime::launch_dependent(&k90::ep_return_kernel, return_blocks, 256, 0, stream, p);
-  mark(&StageEvents::returned);
-  const unsigned combine_blocks = static_cast<unsigned>(std::clamp<int64_t>(args.tokens, 1, 1024));
-  runtime::launch_dependent(&k90::ep_combine_kernel, combine_blocks, 256, 0, stream, p);
-  mark(&StageEvents::done);
 }
 
 namespace {
@@ -460,6 +468,10 @@ const char* stage_name(int32_t stage) {
                                                   : "at an unknown stage";
 }
 
+constexpr const char* kOverflowText =
+    "more rows than a receive buffer holds: the ranks' groups differ (H, top_k or max_tokens_per_rank) or two "
+    "runs of one group overlapped (the layers of a group run one at a time, in stream order)";
+
 }  // namespace
 
 void MoeEpLayer::check(cudaStream_t stream) const {
@@ -468,7 +480,12 @@ void MoeEpLayer::check(cudaStream_t stream) const {
   check_cuda(cudaStreamSynchronize(stream), "MoeEpLayer::check");
   if (m.single) return;
   using F = k90::EpFailure;
+  MEGAMOE_CHECK(!g.broken, kCuda, "expert parallelism: rank ", g.cfg.rank, ": a run() failed on the host after it had "
+                "started the exchange; the outputs since are undefined: destroy and re-create the layers and their group");
   const int32_t e = *reinterpret_cast<volatile int32_t*>(g.error_host);
+  MEGAMOE_CHECK(F::kind(e) != F::kOverflow, kCuda, "expert parallelism: rank ", g.cfg.rank, " was sent ", kOverflowText);
+  MEGAMOE_CHECK(!(F::kind(e) == F::kPeerGaveUp && F::peer_stage(e) == F::kStageSend), kCuda,
+                "expert parallelism: rank ", g.cfg.rank, ": rank ", F::peer_rank(e), " was sent ", kOverflowText);
   MEGAMOE_CHECK(F::kind(e) != F::kPeerGaveUp, kCuda, "expert parallelism: rank ", g.cfg.rank, ": rank ",
                 F::peer_rank(e), " gave up waiting ", stage_name(F::peer_stage(e)),
                 " (a peer of it never arrived); every rank has stopped exchanging, the outputs since are undefined");

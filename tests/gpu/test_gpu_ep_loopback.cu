@@ -437,6 +437,28 @@ TEST(GpuEpLoopback, ARankThatNeverArrivesFailsLoudly) {
   EXPECT_MEGAMOE_ERROR(lb.ranks[0].run(io[0].args(), lb.loopback.stream(0)), kCuda, "earlier run failed");
 }
 
+// A run that fails on the host after its send was queued (here: a stage event that is not an
+// event) leaves its group unusable, loudly, and its peer fails within its timeout.
+TEST(GpuEpLoopback, AHostFailureMidRunIsLatched) {
+  MEGAMOE_REQUIRE_GPU();
+  if (!loopback_available(2)) return;
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
+  const MoeLayer layer = testing::random_layer(rng, 256, 256, 8, 2);
+  LoopbackLayer lb(layer, 2, 4, /*deterministic=*/true, /*timeout=*/0.3);
+  std::vector<RankIo> io = draw_inputs(rng, {4, 4}, 256, 8, 2);
+  gpu::check_cuda(cudaDeviceSynchronize(), "inputs");
+  cudaEvent_t start = nullptr;
+  gpu::check_cuda(cudaEventCreate(&start), "cudaEventCreate");
+  const MoeEpLayer::StageEvents bad{start, nullptr, nullptr, nullptr, nullptr};
+  EXPECT_THROW(lb.ranks[0].run(io[0].args(), lb.loopback.stream(0), bad), Error);
+  lb.ranks[1].run(io[1].args(), lb.loopback.stream(1));
+  EXPECT_MEGAMOE_ERROR(lb.ranks[0].check(lb.loopback.stream(0)), kCuda, "after it had started the exchange");
+  EXPECT_MEGAMOE_ERROR(lb.ranks[0].run(io[0].args(), lb.loopback.stream(0)), kCuda, "earlier run failed");
+  EXPECT_MEGAMOE_ERROR(lb.ranks[1].check(lb.loopback.stream(1)), kCuda, "(combine)");
+  cudaEventDestroy(start);
+}
+
 TEST(GpuEpLoopback, RefusesAWrongStreamOrConfig) {
   MEGAMOE_REQUIRE_GPU();
   if (!loopback_available(2)) return;

@@ -39,7 +39,7 @@ struct EpState {
 struct EpExchangeParams {
   ep::EpPeerWindows peers;  // every rank's window and signal words, this rank, the world size
   ep::EpWindowLayout layout;
-  int64_t max_t;            // rows per source in the return buffers
+  int64_t max_t;            // rows per source in the return buffers (R * max_t rows received at most)
   int64_t hidden;           // H, a multiple of 8
   int32_t top_k;
   int64_t experts_per_rank;  // E / R
@@ -115,6 +115,13 @@ __global__ void __launch_bounds__(256) ep_send_kernel(EpExchangeParams p) {
       reserved = atomicAdd_system(reinterpret_cast<unsigned long long*>(p.peers.flags[lane] + ep::kRecvCountWord), 1ull);
       atomicAdd(&p.state->sent[lane], 1);
     }
+    // A row past the receive buffer means the ranks disagree (groups of other sizes, or two runs
+    // of one group at once): fail loudly rather than write out of bounds.
+    const unsigned long long capacity = static_cast<unsigned long long>(p.peers.world * p.max_t);
+    if (__any_sync(0xffffffffu, reserved >= capacity)) {
+      if (lane == 0) signal_fail_here(p.failure, EpFailure::kStageSend);
+      continue;
+    }
     while (mask != 0) {
       const int d = __ffs(mask) - 1;
       mask &= mask - 1;
@@ -135,7 +142,7 @@ __global__ void __launch_bounds__(256) ep_send_kernel(EpExchangeParams p) {
   if (ep_detail::last_cta(&p.state->send_ctas) && threadIdx.x < p.peers.world) {
     const int d = static_cast<int>(threadIdx.x);
     const int32_t rows = atomicExch(&p.state->sent[d], 0);
-    if (!failed) ptx::st_release_sys(p.peers.flags[d] + ep::kSentWord + rank, signal_word(epoch, rows));
+    if (!signal_failed(p.failure)) ptx::st_release_sys(p.peers.flags[d] + ep::kSentWord + rank, signal_word(epoch, rows));
   }
 }
 
@@ -166,7 +173,7 @@ __global__ void __launch_bounds__(256) ep_return_kernel(EpExchangeParams p) {
       __threadfence_system();
     }
     __syncthreads();
-    if (threadIdx.x < p.peers.world && !failed) {
+    if (threadIdx.x < p.peers.world && !signal_failed(p.failure)) {
       ptx::st_release_sys(p.peers.flags[threadIdx.x] + ep::kDoneWord + p.peers.rank, signal_word(epoch, 0));
     }
   }

@@ -327,7 +327,10 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_place_kernel
   grid_dependency_wait();    // cta_counts are complete from here on
   const int tid = threadIdx.x;
   int32_t T = p.tokens;
-  if constexpr (kGated) T = *reinterpret_cast<const volatile int32_t*>(p.gate.rows);  // the count kernel's gate
+  if constexpr (kGated) {
+    // The count kernel's gate; none of its rows where any of its CTAs failed (they counted none).
+    T = signal_failed(p.gate.failure) ? 0 : *reinterpret_cast<const volatile int32_t*>(p.gate.rows);
+  }
   const int num_virtual = p.num_experts + p.shared_chunks;
   const bool publish = blockIdx.x == 0;
   int32_t before[2];  // this CTA's start within experts 2 * tid and 2 * tid + 1 (the scan's owners)

@@ -21,9 +21,12 @@ struct EpFailure {
   static constexpr int32_t kDispatchTimeout = 1;  // this rank waited too long for its peers' rows
   static constexpr int32_t kCombineTimeout = 2;   // ... for its peers' partial sums
   static constexpr int32_t kPeerGaveUp = 3;       // a peer poisoned its signal words
+  static constexpr int32_t kOverflow = 4;         // more rows than a receive buffer holds: the
+                                                  // ranks' groups differ, or two runs overlapped
   // The stages a wait reports (the kinds of a timeout).
   static constexpr int32_t kStageDispatch = kDispatchTimeout;
   static constexpr int32_t kStageCombine = kCombineTimeout;
+  static constexpr int32_t kStageSend = kOverflow;
   __host__ __device__ static constexpr int32_t peer(int32_t peer_rank, int32_t peer_stage) {
     return kPeerGaveUp | peer_rank << 8 | peer_stage << 16;
   }
@@ -40,12 +43,19 @@ __device__ __forceinline__ bool signal_failed(const runtime::SignalFailure& f) {
   return *reinterpret_cast<const volatile int32_t*>(f.failed) != 0;
 }
 
-// Records a failure and poisons the peers (`poison` as received, or this rank's own).
+// Records a failure and poisons the peers (`poison` as received, or this rank's own). The first
+// failure of the rank is kept: a later one (its own poison seen by another of its waits, say)
+// changes nothing.
 __device__ __forceinline__ void signal_fail(const runtime::SignalFailure& f, int32_t failure, uint64_t poison) {
-  *reinterpret_cast<volatile int32_t*>(f.failed) = failure;
+  if (atomicCAS(f.failed, 0, failure) != 0) return;
   for (int i = 0; i < f.target_count; ++i) ptx::st_release_sys(f.targets[i], poison);
   atomicExch(f.error, failure);
   __threadfence_system();
+}
+
+// This rank's own failure, at `stage`, poisoning its peers.
+__device__ __forceinline__ void signal_fail_here(const runtime::SignalFailure& f, int32_t stage) {
+  signal_fail(f, stage, kSignalPoison | static_cast<uint64_t>(f.rank) << 8 | static_cast<uint64_t>(stage));
 }
 
 // One thread: waits until each of words[0, n) carries `epoch`, up to f.timeout_ns; the counts
@@ -75,7 +85,7 @@ __device__ __forceinline__ int64_t wait_signal_words(const uint64_t* words, int 
     }
     if (pending == 0) return total;
     if (ptx::global_timer_ns() - start > f.timeout_ns) {
-      signal_fail(f, stage, kSignalPoison | static_cast<uint64_t>(f.rank) << 8 | static_cast<uint64_t>(stage));
+      signal_fail_here(f, stage);
       return -1;
     }
     __nanosleep(64);
@@ -95,9 +105,8 @@ __device__ __forceinline__ int32_t gate_tokens(const runtime::TokenGate& g, int3
       const unsigned long long arrived = *reinterpret_cast<const volatile unsigned long long*>(g.count);
       // Every producer reserved its rows before it signalled: the two agree unless memory is corrupt.
       n = static_cast<int32_t>(min(static_cast<unsigned long long>(bound), arrived));
-      if (arrived != static_cast<unsigned long long>(sent)) {
-        signal_fail(g.failure, g.stage,
-                    kSignalPoison | static_cast<uint64_t>(g.failure.rank) << 8 | static_cast<uint64_t>(g.stage));
+      if (arrived != static_cast<unsigned long long>(sent) || arrived > static_cast<unsigned long long>(bound)) {
+        signal_fail_here(g.failure, g.stage);
         n = 0;
       }
     }
