@@ -456,6 +456,7 @@ void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const S
     mark(&StageEvents::done);
   } catch (...) {
     g.broken = true;
+    (void)cudaGetLastError();  // a call's own error, not a later launch's
     throw;
   }
 }
