@@ -172,6 +172,45 @@ TEST(ExpertParallel, TransportFactoryChecksItsArguments) {
   EXPECT_THROW(ep::make_transport(bad, id), Error);
 }
 
+// EpGroup and EpLoopback refuse bad arguments before they touch a device or NCCL.
+TEST(ExpertParallel, GroupAndLoopbackCheckTheirArguments) {
+  const EpUniqueId id;
+  auto group_code = [&](EpConfig config, int64_t H, int k) {
+    try {
+      EpGroup::create(config, id, H, k);
+    } catch (const Error& e) {
+      return std::make_pair(e.code(), std::string(e.what()));
+    }
+    return std::make_pair(ErrorCode::kInternal, std::string("accepted"));
+  };
+  EpConfig ok;
+  ok.world_size = 2;
+  ok.rank = 1;
+  ok.max_tokens_per_rank = 64;
+  EpConfig bad_t = ok;
+  bad_t.max_tokens_per_rank = 0;
+  EpConfig bad_rank = ok;
+  bad_rank.rank = 2;
+  EpConfig bad_timeout = ok;
+  bad_timeout.timeout_seconds = 0;
+  EXPECT_EQ(group_code(bad_t, 7168, 8).first, ErrorCode::kInvalidArgument);
+  EXPECT_NE(group_code(bad_t, 7168, 8).second.find("max_tokens_per_rank = 0"), std::string::npos);
+  EXPECT_EQ(group_code(bad_rank, 7168, 8).first, ErrorCode::kInvalidArgument);
+  EXPECT_EQ(group_code(bad_timeout, 7168, 8).first, ErrorCode::kInvalidArgument);
+  EXPECT_NE(group_code(ok, 7000, 8).second.find("hidden_size = 7000"), std::string::npos);
+  EXPECT_NE(group_code(ok, 7168, 17).second.find("top_k = 17"), std::string::npos);
+  EXPECT_NE(group_code(ok, 7168, 0).second.find("top_k = 0"), std::string::npos);
+  for (int world : {0, ep::kMaxRanks + 1}) {
+    try {
+      EpLoopback::create(world);
+      ADD_FAILURE() << "EpLoopback::create(" << world << ") was accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find("1..8"), std::string::npos) << e.what();
+    }
+  }
+}
+
 }  // namespace
 }  // namespace megamoe
 

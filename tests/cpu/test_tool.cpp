@@ -515,6 +515,7 @@ TEST(ToolBench, ExpertParallelRefusals) {
 
 class ToolSynth : public TempDir {
  protected:
+  void check_expert_parallel_run(const std::string& ep_flag);
   // qwen3-30b-a3b with 4 experts (H 2048, I 768): small enough for a test, real shapes.
   void synth() {
     ckpt_ = dir_ / "ckpt";
@@ -690,10 +691,9 @@ TEST_F(ToolSynth, RunExpertParallelPrecisionW4a8FailsClearly) {
 // none), the layer's router, given top-1 ids, every token on rank 0's experts, the shared expert;
 // --deterministic bitwise over repeated runs. And a rank whose peer never starts fails within its
 // timeout. Needs two GPUs; skipped (visibly) elsewhere.
-TEST_F(ToolSynth, RunExpertParallelMatchesReference) {
-  if (gpu_count() < 2) {
-    GTEST_SKIP() << "fewer than 2 CUDA devices: `megamoe run --ep 2` test skipped (run it on a 2-GPU machine)";
-  }
+// `megamoe run` with `ep_flag` (--ep 2, or --ep-loopback 2 on one GPU) against `megamoe reference`
+// on routed and given top-k, all tokens on rank 0's experts, and --deterministic twice bitwise.
+void ToolSynth::check_expert_parallel_run(const std::string& ep_flag) {
   ckpt_ = dir_ / "ckpt16";
   // DeepSeek-V4-Flash's shapes (H 4096, I 2048, top-6, a shared expert, SwiGLU clamp) with 16
   // experts: 8 per rank (a rank's local layer takes a token's k ids).
@@ -735,7 +735,7 @@ TEST_F(ToolSynth, RunExpertParallelMatchesReference) {
     const std::string args = " --checkpoint " + q(ckpt_) + " --layer 3 --input " + q(x) + " --output ";
     r = run_tool("reference" + args + q(y_ref));
     ASSERT_EQ(r.code, 0) << r.output;
-    r = run_tool("run" + args + q(y_ep) + " --ep 2");
+    r = run_tool("run" + args + q(y_ep) + " " + ep_flag);
     ASSERT_EQ(r.code, 0) << r.output;
     const auto ref = SafetensorsFile::open(y_ref.string());
     const auto got_file = SafetensorsFile::open(y_ep.string());
@@ -750,14 +750,22 @@ TEST_F(ToolSynth, RunExpertParallelMatchesReference) {
     if (c.T == 37) {
       const fs::path d1 = dir_ / "det1.safetensors", d2 = dir_ / "det2.safetensors";
       for (const fs::path& d : {d1, d2}) {
-        r = run_tool("run" + args + q(d) + " --ep 2 --deterministic");
+        r = run_tool("run" + args + q(d) + " " + ep_flag + " --deterministic");
         ASSERT_EQ(r.code, 0) << r.output;
       }
       EXPECT_EQ(raw_bytes(*SafetensorsFile::open(d1.string()), "output"),
                 raw_bytes(*SafetensorsFile::open(d2.string()), "output"))
-          << "--ep 2 --deterministic runs differ";
+          << ep_flag << " --deterministic runs differ";
     }
   }
+}
+
+TEST_F(ToolSynth, RunExpertParallelMatchesReference) {
+  if (gpu_count() < 2) {
+    GTEST_SKIP() << "fewer than 2 CUDA devices: `megamoe run --ep 2` test skipped (run it on a 2-GPU machine)";
+  }
+  check_expert_parallel_run("--ep 2");
+  ToolResult r;
   // Rank 0 alone, with an id no launcher made and no peer: a clear failure within the timeout, not
   // a hang.
   const fs::path x = dir_ / "x.safetensors";
@@ -768,6 +776,14 @@ TEST_F(ToolSynth, RunExpertParallelMatchesReference) {
   EXPECT_NE(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("NCCL"), std::string::npos) << r.output;
   EXPECT_LT(seconds, 60.0) << r.output;
+}
+
+// The same over 2 virtual ranks on one GPU (EpLoopback): the same exchange, one process.
+TEST_F(ToolSynth, RunExpertParallelLoopbackMatchesReference) {
+  if (gpu_count() < 1) {
+    GTEST_SKIP() << "no CUDA device: `megamoe run --ep-loopback 2` test skipped (run it on the GPU machine)";
+  }
+  check_expert_parallel_run("--ep-loopback 2");
 }
 
 // `megamoe bench --ep 2` end to end on a small layer (DeepSeek-V4-Flash's shapes, 16 experts: 8 per
