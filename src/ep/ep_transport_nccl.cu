@@ -63,16 +63,11 @@ void wait_nccl(ncclComm_t& comm, ncclResult_t started, const char* what, Clock::
 }
 
 // The peers' window bases, resolved on the device once (the pointer functions are device
-// code), by world rank; out[world] holds the window's (lsaRank, worldRank), which the host checks:
-// the bases are meaningful only where every rank is in this rank's load/store team, in order.
+// code), by world rank. They are meaningful only where every rank is in this rank's load/store
+// team, in order (checked on the host first, ncclTeamLsa).
 __global__ void lsa_bases_kernel(ncclWindow_t win, int world, char** out) {
   const int peer = static_cast<int>(threadIdx.x);
   if (peer < world) out[peer] = static_cast<char*>(ncclGetPeerPointer(win, 0, peer));
-  if (peer == 0) {
-    int* ranks = reinterpret_cast<int*>(out + world);
-    ranks[0] = win->lsaRank;
-    ranks[1] = win->worldRank;
-  }
 }
 
 // Reads the first 8 bytes of every rank's window: each rank wrote its own rank there.
@@ -230,17 +225,16 @@ void NcclTransport::allocate_window(size_t data_bytes, size_t flag_words) {
   gpu::check_cuda(cudaDeviceSynchronize(), "cudaMemset(symmetric window)");
   wait_nccl(nccl_.comm, ncclCommWindowRegister(nccl_.comm, nccl_.buffer, bytes, &nccl_.window, NCCL_WIN_DEFAULT),
             "ncclCommWindowRegister", deadline, timeout_seconds_);
-  gpu::check_cuda(cudaMalloc(&nccl_.bases, sizeof(char*) * static_cast<size_t>(world + 1)), "cudaMalloc");
+  const ncclTeam_t lsa = ncclTeamLsa(nccl_.comm);
+  MEGAMOE_CHECK(lsa.nRanks == world && lsa.rank == rank && lsa.stride == 1, kUnsupported, "expert parallelism: rank ",
+                rank, " is rank ", lsa.rank, " of an NVLink load/store team of ", lsa.nRanks, " (stride ", lsa.stride,
+                ") in a world of ", world, ": every rank must reach every other over NVLink (the GPUs of one host)");
+  gpu::check_cuda(cudaMalloc(&nccl_.bases, sizeof(char*) * static_cast<size_t>(world)), "cudaMalloc");
   lsa_bases_kernel<<<1, 32>>>(nccl_.window, world, nccl_.bases);
   gpu::check_cuda(cudaGetLastError(), "lsa_bases_kernel launch");
-  std::vector<char*> bases(static_cast<size_t>(world + 1), nullptr);
+  std::vector<char*> bases(static_cast<size_t>(world), nullptr);
   gpu::check_cuda(cudaMemcpy(bases.data(), nccl_.bases, sizeof(char*) * bases.size(), cudaMemcpyDeviceToHost),
                   "cudaMemcpy(peer bases)");
-  int window_ranks[2];
-  std::memcpy(window_ranks, &bases[static_cast<size_t>(world)], sizeof(window_ranks));
-  MEGAMOE_CHECK(window_ranks[0] == rank && window_ranks[1] == rank, kUnsupported, "expert parallelism: rank ", rank,
-                " is rank ", window_ranks[0], " of its NVLink load/store team (world rank ", window_ranks[1],
-                "): every rank must reach every other over NVLink (the GPUs of one host)");
   const int64_t me = rank;
   gpu::check_cuda(cudaMemcpy(nccl_.buffer, &me, sizeof(me), cudaMemcpyHostToDevice), "cudaMemcpy(peer check)");
   setup_barrier(deadline);
