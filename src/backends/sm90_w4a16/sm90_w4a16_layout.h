@@ -111,6 +111,14 @@ constexpr uint8_t encode_scale(uint8_t ue4m3) {
   const int lead = mant >= 4 ? 2 : mant >= 2 ? 1 : 0;
   return static_cast<uint8_t>((lead - 9 + 21) << 3 | ((mant << (3 - lead)) & 7));
 }
+// The ue4m3 byte of a prepacked scale byte: encode_scale's inverse (0 stays 0; a subnormal comes
+// back as the subnormal it was).
+constexpr uint8_t decode_scale(uint8_t encoded) {
+  if (encoded == 0) return 0;
+  const int x = (encoded >> 3) - 21, mant = encoded & 7;  // the value 2^x * 1.mant
+  if (x >= -6) return static_cast<uint8_t>((x + 7) << 3 | mant);
+  return static_cast<uint8_t>((8 | mant) >> (3 - (x + 9)));  // subnormal: (1.mant * 2^(x + 9)) * 2^-9
+}
 // The 16-bit half of a scale word for one row: encoded scales of steps 2i (a) and 2i + 1 (b).
 constexpr uint16_t scale_half(uint8_t encoded_a, uint8_t encoded_b) {
   return static_cast<uint16_t>(encoded_a << 4 | (encoded_b & 0xF) << 12 | encoded_b >> 4);

@@ -24,4 +24,20 @@ void prepack_w13(const Nvfp4Linear& gate, const Nvfp4Linear& up, int64_t col_beg
 void prepack_w2(const Nvfp4Linear& down, int64_t k_begin, int64_t k_len, std::span<uint8_t> codes,
                 std::span<uint8_t> scales);
 
+// A linear's bytes in the checkpoint layout, writable: [out, in/2] codes, [out, in/16] scales.
+struct Nvfp4Rows {
+  int64_t out_features = 0;
+  int64_t in_features = 0;
+  uint8_t* weight = nullptr;
+  uint8_t* weight_scale = nullptr;
+};
+
+// The inverses: the slice's codes and scales written back in the checkpoint layout. Every weight
+// keeps its value; the codes of a block whose scale is 0 come back as 0 (prepack's one
+// canonicalisation), everything else bit for bit.
+void unprepack_w13(std::span<const uint8_t> codes, std::span<const uint8_t> scales, int64_t col_begin, int64_t cols,
+                   const Nvfp4Rows& gate, const Nvfp4Rows& up);
+void unprepack_w2(std::span<const uint8_t> codes, std::span<const uint8_t> scales, int64_t k_begin, int64_t k_len,
+                  const Nvfp4Rows& down);
+
 }  // namespace megamoe::runtime
