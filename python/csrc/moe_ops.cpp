@@ -162,7 +162,7 @@ at::Tensor fused_moe_nvfp4_cuda(
     const std::optional<at::Tensor>& shared_w13, const std::optional<at::Tensor>& shared_w13_scale,
     const std::optional<at::Tensor>& shared_w13_scale_2,
     const std::optional<at::Tensor>& shared_w2, const std::optional<at::Tensor>& shared_w2_scale,
-    const std::optional<at::Tensor>& shared_w2_scale_2, bool check_ids) {
+    const std::optional<at::Tensor>& shared_w2_scale_2, bool check_ids, bool fp32_output) {
   return translate_errors(kFused, [&] {
     const std::shared_ptr<PreparedMoe> p = registry().get(handle, kFused);
     const Stacked s{w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, shared_w13,
@@ -185,7 +185,7 @@ at::Tensor fused_moe_nvfp4_cuda(
                       "; prepare with a larger max_tokens, or split the batch.");
 
     const c10::cuda::CUDAGuard guard(p->device);
-    at::Tensor out = at::empty({T, H}, hidden.options());
+    at::Tensor out = at::empty({T, H}, hidden.options().dtype(fp32_output ? at::kFloat : at::kBFloat16));
     if (T == 0) return out;
     // int64 ids (torch.topk's) are clamped to [-1, E] first, so that narrowing to int32 cannot
     // wrap an out-of-range id into a valid one; -1 and E are then counted as invalid.
@@ -199,7 +199,11 @@ at::Tensor fused_moe_nvfp4_cuda(
     a.topk_ids = ids.const_data_ptr<int32_t>();
     a.topk_weights = weights.const_data_ptr<float>();
     a.tokens = T;
-    a.output = static_cast<uint16_t*>(out.data_ptr());
+    if (fp32_output) {
+      a.output_f32 = out.data_ptr<float>();
+    } else {
+      a.output = static_cast<uint16_t*>(out.data_ptr());
+    }
     a.workspace = p->workspace.data_ptr();
     megamoe::run(p->plan, p->weights, a, stream);
     if (check_ids && !is_capturing(stream)) {
@@ -220,7 +224,7 @@ at::Tensor fused_moe_nvfp4_cpu(
     const at::Tensor&, int64_t, std::optional<double>, bool, const std::optional<at::Tensor>&,
     const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
     const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, bool) {
+    const std::optional<at::Tensor>&, bool, bool) {
   TORCH_CHECK_VALUE(false, "megamoe.", kFused, ": runs on CUDA tensors (a Hopper GPU); hidden "
                     "and the weights are on ", hidden.device(), ".");
 }

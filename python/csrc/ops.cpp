@@ -12,14 +12,16 @@ TORCH_LIBRARY(megamoe, m) {
   // layer (moe_prepare) built from exactly these tensors and options; the shared expert, when
   // prepared with one, is passed the same way (shared_w13 [2Is, H/2] ... shared_w2_scale_2 [1]).
   // check_ids: outside CUDA-graph capture, read back the count of ids outside [0, E) and raise
-  // IndexError when there are any (one host synchronisation per call).
+  // IndexError when there are any (one host synchronisation per call). fp32_output: the [T, H]
+  // fp32 sums before their bf16 rounding (a tensor-parallel rank's partial, summed across ranks
+  // and rounded once by the caller).
   m.def(
       "fused_moe_nvfp4(Tensor hidden, Tensor w13, Tensor w13_scale, Tensor w13_scale_2, "
       "Tensor w2, Tensor w2_scale, Tensor w2_scale_2, Tensor topk_weights, Tensor topk_ids, *, "
       "int handle, float? swiglu_limit=None, bool deterministic=False, "
       "Tensor? shared_w13=None, Tensor? shared_w13_scale=None, Tensor? shared_w13_scale_2=None, "
       "Tensor? shared_w2=None, Tensor? shared_w2_scale=None, Tensor? shared_w2_scale_2=None, "
-      "bool check_ids=True) -> Tensor");
+      "bool check_ids=True, bool fp32_output=False) -> Tensor");
 
   // Builds the prepared layer of fused_moe_nvfp4 once (plan for max_tokens, prepacked weights,
   // workspace): copies the stacked tensors to the host, checks every scale, prepacks, uploads and

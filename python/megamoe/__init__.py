@@ -7,10 +7,10 @@ them as a drop-in MoE block.
 """
 
 from ._ops import (PRECISIONS, MoeHandle, dequantize_nvfp4, fused_moe_nvfp4, load_moe_layer, ops,
-                   prepare_moe, quantize_experts, quantize_nvfp4, route)
+                   prepare_moe, quantize_experts, quantize_nvfp4, route, tp_range, tp_slice)
 from .module import NVFP4MoE
 
 __all__ = [
     "PRECISIONS", "MoeHandle", "NVFP4MoE", "dequantize_nvfp4", "fused_moe_nvfp4", "load_moe_layer", "ops",
-    "prepare_moe", "quantize_experts", "quantize_nvfp4", "route",
+    "prepare_moe", "quantize_experts", "quantize_nvfp4", "route", "tp_range", "tp_slice",
 ]

@@ -51,11 +51,11 @@ def _fused_moe_nvfp4_fake(hidden, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_
                           topk_weights, topk_ids, *, handle, swiglu_limit=None,
                           deterministic=False, shared_w13=None, shared_w13_scale=None,
                           shared_w13_scale_2=None, shared_w2=None, shared_w2_scale=None,
-                          shared_w2_scale_2=None, check_ids=True):
+                          shared_w2_scale_2=None, check_ids=True, fp32_output=False):
     torch._check(hidden.dim() == 2, lambda: "megamoe.fused_moe_nvfp4: hidden must be [T, H]")
     torch._check(hidden.dtype == torch.bfloat16,
                  lambda: f"megamoe.fused_moe_nvfp4: hidden has dtype {hidden.dtype}; expected bfloat16")
-    return hidden.new_empty(hidden.shape)
+    return hidden.new_empty(hidden.shape, dtype=torch.float32 if fp32_output else torch.bfloat16)
 
 
 @torch.library.register_fake("megamoe::route")
@@ -166,17 +166,19 @@ def fused_moe_nvfp4(hidden, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_
                     topk_ids, *, handle, swiglu_limit: Optional[float] = None,
                     deterministic: bool = False,
                     shared_expert: Optional[Sequence[torch.Tensor]] = None,
-                    check_ids: bool = True) -> torch.Tensor:
+                    check_ids: bool = True, fp32_output: bool = False) -> torch.Tensor:
     """The fused NVFP4 MoE layer: hidden [T, H] bf16 -> [T, H] bf16 (see ops.cpp for shapes).
 
     ``handle`` (a :class:`MoeHandle` or its int) must come from :func:`prepare_moe` on exactly
     these tensors and options. With ``check_ids``, outside CUDA-graph capture, ids outside
-    [0, E) raise IndexError (at the cost of one host synchronisation per call).
+    [0, E) raise IndexError (at the cost of one host synchronisation per call). With
+    ``fp32_output`` the result is the fp32 sums before their bf16 rounding (a tensor-parallel
+    rank's partial: :func:`tp_slice`).
     """
     return ops.fused_moe_nvfp4(
         hidden, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights, topk_ids,
         handle=int(handle), swiglu_limit=swiglu_limit, deterministic=deterministic,
-        check_ids=check_ids, **_shared_kwargs(shared_expert))
+        check_ids=check_ids, fp32_output=fp32_output, **_shared_kwargs(shared_expert))
 
 
 def route(router_logits: torch.Tensor, *, top_k: int, method: str = "softmax",
@@ -246,3 +248,54 @@ def load_moe_layer(path, layer: int):
     text, tensors = ops.load_moe_layer(os.fspath(path), int(layer))
     description = json.loads(text)
     return description, dict(zip(description["tensors"], tensors))
+
+
+# ---- tensor parallelism (megamoe/tp.h)
+
+TP_SLICE_MULTIPLE = 64  # kTpSliceMultiple: I/R and Is/R must be multiples of it
+
+
+def tp_range(size: int, rank: int, world_size: int, what: str = "intermediate_size") -> tuple[int, int]:
+    """Rank ``rank``'s rows [first, first + count) of an intermediate dimension of ``size`` split
+    over ``world_size`` ranks (megamoe/tp.h); ValueError naming the values where it does not split."""
+    if not 1 <= world_size <= 8 or not 0 <= rank < world_size:
+        raise ValueError(f"megamoe: tensor-parallel rank {rank} of world size {world_size} is out of "
+                         "range (world size 1..8)")
+    if size % world_size or (size // world_size) % TP_SLICE_MULTIPLE:
+        raise ValueError(f"megamoe: {what} = {size} does not split over {world_size} tensor-parallel "
+                         f"ranks into slices of a multiple of {TP_SLICE_MULTIPLE}")
+    count = size // world_size
+    return rank * count, count
+
+
+def tp_slice(tensors: dict, rank: int, world_size: int) -> dict:
+    """Rank ``rank``'s slice of a stacked NVFP4 layer (the names of :class:`NVFP4MoE`'s buffers):
+    rows [r·I/R, (r+1)·I/R) of every expert's gate and up, the same columns (K) of its down, the
+    shared expert's the same way with its own Is; global scales, router and bias unchanged
+    (megamoe/tp.h). Contiguous copies; the input is not modified."""
+    out = dict(tensors)
+
+    def gate_up(w13, first, count, inter):  # [.., 2I, X] -> [.., 2·count, X]
+        raw = w13.view(torch.uint8)  # the bytes (float8 scales included: no arithmetic on them)
+        gate = raw[..., first:first + count, :]
+        up = raw[..., inter + first:inter + first + count, :]
+        return torch.cat([gate, up], dim=-2).contiguous().view(w13.dtype)
+
+    def down(codes, scales, first, count):  # K columns of [.., H, I/2] and [.., H, I/16]
+        return (codes[..., first // 2:(first + count) // 2].contiguous(),
+                scales[..., first // 16:(first + count) // 16].contiguous())
+
+    inter = tensors["w13"].shape[-2] // 2
+    first, count = tp_range(inter, rank, world_size)
+    out["w13"] = gate_up(tensors["w13"], first, count, inter)
+    out["w13_scale"] = gate_up(tensors["w13_scale"], first, count, inter)
+    out["w2"], out["w2_scale"] = down(tensors["w2"], tensors["w2_scale"], first, count)
+    if "shared_w13" in tensors:
+        shared = tensors["shared_w13"].shape[-2] // 2
+        first, count = tp_range(shared, rank, world_size, "shared_intermediate_size")
+        out["shared_w13"] = gate_up(tensors["shared_w13"], first, count, shared)
+        out["shared_w13_scale"] = gate_up(tensors["shared_w13_scale"], first, count, shared)
+        out["shared_w2"], out["shared_w2_scale"] = down(tensors["shared_w2"], tensors["shared_w2_scale"],
+                                                        first, count)
+    return out
+

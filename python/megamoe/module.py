@@ -39,6 +39,15 @@ class NVFP4MoE(torch.nn.Module):
     default), "w4a8" (fp8 activations, docs/w4a8.md) or "auto" (per batch size, w4a8 where it runs
     and is faster, else w4a16; :meth:`describe` shows the precision a batch size runs at). A
     precision that no GPU kernel of this build serves makes preparing raise NotImplementedError.
+
+    ``tp_group`` (a ``torch.distributed`` process group of R ranks, one GPU each) makes the module
+    rank ``tp_group.rank()``'s tensor-parallel slice (megamoe/tp.h): its buffers hold rows
+    [r·I/R, (r+1)·I/R) of every expert's gate and up and the same columns of its down (the shared
+    expert's the same way), so its state dict is the rank's slice; ``intermediate_size`` stays the
+    layer's. Every rank routes every token the same way; forward computes the rank's partial sum in
+    fp32, all-reduces it over the group in fp32 and rounds once to bf16 (graph-safe with the NCCL
+    backend). I/R and Is/R must be multiples of 64. :meth:`from_checkpoint` and
+    :meth:`from_tensors` take the whole layer and keep the rank's slice.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
@@ -46,7 +55,7 @@ class NVFP4MoE(torch.nn.Module):
                  renormalize: bool = True, n_group: int = 1, topk_group: int = 1,
                  routed_scaling_factor: float = 1.0, swiglu_limit: Optional[float] = None,
                  has_router: bool = True, max_tokens: int = 4096, deterministic: bool = False,
-                 check_ids: bool = True, precision: str = "w4a16", device=None):
+                 check_ids: bool = True, precision: str = "w4a16", tp_group=None, device=None):
         super().__init__()
         _ops.check_precision(precision, "NVFP4MoE")
         if method not in _METHODS:
@@ -79,8 +88,18 @@ class NVFP4MoE(torch.nn.Module):
         self.precision = precision
         self.check_ids = bool(check_ids)
         self.has_router = bool(has_router)
+        self.tp_group = tp_group
+        self.tp_size = 1 if tp_group is None else int(tp_group.size())
+        self.tp_rank = 0 if tp_group is None else int(tp_group.rank())
+        if tp_group is not None:
+            _ops.tp_range(self.intermediate_size, self.tp_rank, self.tp_size)
+            if shared_intermediate_size:
+                _ops.tp_range(shared_intermediate_size, self.tp_rank, self.tp_size,
+                              "shared_intermediate_size")
 
-        H, I, E, Is = self.hidden_size, self.intermediate_size, self.num_experts, shared_intermediate_size
+        # The buffers hold this rank's slice (all of it without tensor parallelism).
+        H, E = self.hidden_size, self.num_experts
+        I, Is = self.intermediate_size // self.tp_size, shared_intermediate_size // self.tp_size
         f8 = torch.float8_e4m3fn
 
         def buffer(name, shape, dtype):
@@ -117,12 +136,13 @@ class NVFP4MoE(torch.nn.Module):
     @classmethod
     def from_checkpoint(cls, path, layer: int, *, device="cuda", max_tokens: int = 4096,
                         deterministic: bool = False, check_ids: bool = True,
-                        precision: str = "w4a16") -> "NVFP4MoE":
+                        precision: str = "w4a16", tp_group=None) -> "NVFP4MoE":
         """Loads model.layers.{layer}.mlp of a ModelOpt or compressed-tensors NVFP4 checkpoint.
 
         ``path`` is the model directory (config.json, safetensors files). The codes and block
         scales are the checkpoint's bits; global scales its values (compressed-tensors'
         reciprocal is inverted once, in fp32). On a CUDA ``device`` the layer is also prepared.
+        With ``tp_group``, the module keeps its rank's slice (the class docstring).
         """
         desc, tensors = _ops.load_moe_layer(os.fspath(path), layer)
         r = desc["routing"]
@@ -133,8 +153,8 @@ class NVFP4MoE(torch.nn.Module):
                      routed_scaling_factor=r["routed_scaling_factor"],
                      swiglu_limit=desc["swiglu_limit"], has_router="router_weight" in tensors,
                      max_tokens=max_tokens, deterministic=deterministic, check_ids=check_ids,
-                     precision=precision, device="meta")
-        module._assign(tensors)
+                     precision=precision, tp_group=tp_group, device="meta")
+        module._assign(module._rank_slice(tensors))
         module.checkpoint_description = desc
         return module._placed(device)
 
@@ -144,14 +164,21 @@ class NVFP4MoE(torch.nn.Module):
         docstring): w13 ... w2_scale_2, optionally shared_*, router_weight and, for
         ``method="noaux_tc"``, e_score_correction_bias. Sizes come from the tensors' shapes;
         ``options`` as for the constructor. On a CUDA ``device`` the layer is also prepared.
+        With ``tp_group`` in ``options``, the tensors are the whole layer's and the module keeps
+        its rank's slice.
         """
         E, two_i, half_h = tensors["w13"].shape
         shared = tensors.get("shared_w13")
         module = cls(2 * half_h, two_i // 2, E, top_k,
                      shared_intermediate_size=0 if shared is None else shared.shape[0] // 2,
                      has_router="router_weight" in tensors, device="meta", **options)
-        module._assign(tensors)
+        module._assign(module._rank_slice(tensors))
         return module._placed(device)
+
+    def _rank_slice(self, tensors: dict) -> dict:
+        if self.tp_group is None:
+            return tensors
+        return _ops.tp_slice(tensors, self.tp_rank, self.tp_size)
 
     @classmethod
     def from_float(cls, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, *,
@@ -285,11 +312,15 @@ class NVFP4MoE(torch.nn.Module):
             topk_weights, topk_ids = self.route(logits)
         handle = self._prepared_handle()
         m = self.max_tokens
+        partial = self.tp_group is not None  # the rank's fp32 partial sum, reduced below
         if x.shape[0] <= m:
-            out = self._experts(x, topk_weights, topk_ids, handle)
+            out = self._experts(x, topk_weights, topk_ids, handle, partial)
         else:
             out = torch.cat([self._experts(x[i:i + m], topk_weights[i:i + m], topk_ids[i:i + m],
-                                           handle) for i in range(0, x.shape[0], m)])
+                                           handle, partial) for i in range(0, x.shape[0], m)])
+        if partial:
+            torch.distributed.all_reduce(out, group=self.tp_group)
+            out = out.to(torch.bfloat16)
         return out.reshape(hidden.shape)
 
     def _prepared_handle(self) -> int:
@@ -303,12 +334,12 @@ class NVFP4MoE(torch.nn.Module):
             self.prepare()
         return self._handle_id
 
-    def _experts(self, x, topk_weights, topk_ids, handle: int) -> torch.Tensor:
+    def _experts(self, x, topk_weights, topk_ids, handle: int, fp32_output: bool = False) -> torch.Tensor:
         shared = self._shared_tensors()
         return _ops.ops.fused_moe_nvfp4(
             x, *self._expert_tensors(), topk_weights, topk_ids, handle=handle,
             swiglu_limit=self.swiglu_limit, deterministic=self.deterministic,
-            check_ids=self.check_ids,
+            check_ids=self.check_ids, fp32_output=fp32_output,
             **({} if shared is None else dict(zip(_ops.SHARED_EXPERT_ARGS, shared))))
 
     def extra_repr(self) -> str:
@@ -325,5 +356,7 @@ class NVFP4MoE(torch.nn.Module):
             parts.append(f"swiglu_limit={self.swiglu_limit}")
         if self.precision != "w4a16":
             parts.append(f"precision={self.precision}")
+        if self.tp_group is not None:
+            parts.append(f"tp_rank={self.tp_rank}, tp_size={self.tp_size}")
         parts.append(f"max_tokens={self.max_tokens}, prepared={self._handle is not None}")
         return ", ".join(parts)
