@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <set>
 
 #include "megamoe/dtype.h"
@@ -162,6 +163,23 @@ double reference_rel_l2(const MoeLayer& layer, const std::vector<uint16_t>& x, c
 
 int64_t count_nonfinite(const std::vector<uint16_t>& v) {
   return std::count_if(v.begin(), v.end(), [](uint16_t b) { return !std::isfinite(bf16_to_f32(b)); });
+}
+
+std::string synthesize_bench_checkpoint(const std::string& preset_name, const std::string& work_dir,
+                                        const SynthOptions& options) {
+  const ModelPreset& preset = find_preset(preset_name);
+  const std::string dir = work_dir.empty()
+                              ? (std::filesystem::temp_directory_path() / ("megamoe-bench-" + preset.name)).string()
+                              : work_dir;
+  synth_checkpoint(preset, dir, options);
+  return dir;
+}
+
+int64_t bench_layer_index(const ModelConfig& config, int64_t layer) {
+  if (layer >= 0) return layer;
+  int64_t first = 0;
+  while (first < config.num_hidden_layers && !config.is_moe_layer(first)) ++first;
+  return first;
 }
 
 }  // namespace megamoe::bench

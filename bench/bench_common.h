@@ -12,7 +12,9 @@
 #include <vector>
 
 #include "bench/l2_flush.h"
+#include "megamoe/checkpoint.h"
 #include "megamoe/moe.h"
+#include "megamoe/presets.h"
 #include "megamoe/reference.h"
 #include "megamoe/gpu.h"
 
@@ -118,5 +120,12 @@ double reference_rel_l2(const MoeLayer& layer, const std::vector<uint16_t>& x, c
                         const std::vector<uint16_t>& got, const std::vector<int64_t>& rows, int64_t* nonfinite);
 
 int64_t count_nonfinite(const std::vector<uint16_t>& v);
+
+// Synthesizes preset `preset_name` into `work_dir` (empty: a temporary directory named after the
+// preset) with `options`; returns the directory.
+std::string synthesize_bench_checkpoint(const std::string& preset_name, const std::string& work_dir,
+                                        const SynthOptions& options);
+// The MoE layer a benchmark times: `layer` where it is >= 0, else the checkpoint's first MoE layer.
+int64_t bench_layer_index(const ModelConfig& config, int64_t layer);
 
 }  // namespace megamoe::bench

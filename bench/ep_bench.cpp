@@ -93,11 +93,7 @@ void run_ep_bench_rank(const EpRankSetup& setup, int rank) {
   // reference reads the few experts the checked tokens chose
   const Checkpoint ckpt = Checkpoint::open(setup.checkpoint_dir);
   const ModelConfig config = load_model_config(setup.checkpoint_dir);
-  int64_t layer_index = opt.layer;
-  if (layer_index < 0) {
-    for (layer_index = 0; layer_index < config.num_hidden_layers && !config.is_moe_layer(layer_index); ++layer_index) {
-    }
-  }
+  const int64_t layer_index = bench_layer_index(config, opt.layer);
   const MoeLayer layer = load_moe_layer(ckpt, config, layer_index);
   EpShape shape;
   shape.hidden = layer.hidden_size;

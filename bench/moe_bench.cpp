@@ -7,7 +7,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <numeric>
 #include <random>
@@ -115,25 +114,19 @@ int run_bench(const BenchOptions& opt) {
   uint64_t seed = opt.seed;
   bool synthesized = false;
   if (ckpt_dir.empty()) {
-    const ModelPreset& preset = find_preset(opt.preset);
-    ckpt_dir = opt.work_dir.empty()
-                   ? (std::filesystem::temp_directory_path() / ("megamoe-bench-" + preset.name)).string()
-                   : opt.work_dir;
     SynthOptions so;
     so.seed = seed;
     so.num_experts = opt.num_experts;
     so.shared_experts = opt.shared_experts;
     so.progress = true;
-    synth_checkpoint(preset, ckpt_dir, so);
+    ckpt_dir = synthesize_bench_checkpoint(opt.preset, opt.work_dir, so);
     synthesized = true;
-    std::fprintf(stderr, "bench: synthesized %s in %s [%.0fs]\n", preset.name.c_str(), ckpt_dir.c_str(), elapsed());
+    std::fprintf(stderr, "bench: synthesized %s in %s [%.0fs]\n", find_preset(opt.preset).name.c_str(),
+                 ckpt_dir.c_str(), elapsed());
   }
   const Checkpoint ckpt = Checkpoint::open(ckpt_dir);
   const ModelConfig config = load_model_config(ckpt_dir);
-  int64_t layer_index = opt.layer;
-  if (layer_index < 0) {
-    for (layer_index = 0; layer_index < config.num_hidden_layers && !config.is_moe_layer(layer_index); ++layer_index) {}
-  }
+  const int64_t layer_index = bench_layer_index(config, opt.layer);
   const MoeLayer layer = load_moe_layer(ckpt, config, layer_index);
   const int64_t H = layer.hidden_size, I = layer.intermediate_size, E = layer.num_experts;
   const int k = layer.routing.top_k;

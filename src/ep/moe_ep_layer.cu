@@ -319,14 +319,12 @@ MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, 
 
 MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, const EpConfig& config,
                               const EpUniqueId& id, bool deterministic) {
-  check_config(config);
   return create(local_layer, num_experts,
                 EpGroup::create(config, id, local_layer.hidden_size, local_layer.routing.top_k), deterministic);
 }
 
 MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, const EpConfig& config,
                               const EpLoopback& loopback, bool deterministic) {
-  check_config(config);
   return create(local_layer, num_experts,
                 EpGroup::create(config, loopback, local_layer.hidden_size, local_layer.routing.top_k),
                 deterministic);
