@@ -121,6 +121,17 @@ int run_ep_loopback_bench(const EpBenchOptions& opt) {
   // Long enough for the host to enqueue every rank's run behind the release (eager runs launch
   // about ten kernels each).
   const uint64_t hold_ns = uint64_t{100000} * static_cast<uint64_t>(R);
+  // Flushes the L2, then queues every rank's work (`enqueue(r)` on its stream) behind one event
+  // that the held `kick` stream records: the ranks start together.
+  auto released_together = [&](int round, auto&& enqueue) {
+    flush.run(kick, round);
+    hold_stream(kick, hold_ns);
+    check_cuda(cudaEventRecord(release, kick), "cudaEventRecord");
+    for (int r = 0; r < R; ++r) {
+      check_cuda(cudaStreamWaitEvent(loopback.stream(r), release, 0), "cudaStreamWaitEvent");
+      enqueue(r);
+    }
+  };
   bool all_pass = true;
   nlohmann::json points = nlohmann::json::array();
   std::printf("\n## megamoe bench --ep-loopback %d: %s layer %lld (H=%lld, E=%lld, top_k=%d), %s, %d SMs per "
@@ -150,13 +161,7 @@ int run_ep_loopback_bench(const EpBenchOptions& opt) {
     // slowest rank (by its whole run), medians.
     std::vector<double> eager, send, local, ret, combine;
     for (int it = 0; it < opt.iters + 3; ++it) {
-      flush.run(kick, it);
-      hold_stream(kick, hold_ns);
-      check_cuda(cudaEventRecord(release, kick), "cudaEventRecord");
-      for (int r = 0; r < R; ++r) {
-        check_cuda(cudaStreamWaitEvent(loopback.stream(r), release, 0), "cudaStreamWaitEvent");
-        ranks[r].run(in[r].args(), loopback.stream(r), stages[r]);
-      }
+      released_together(it, [&](int r) { ranks[r].run(in[r].args(), loopback.stream(r), stages[r]); });
       for (int r = 0; r < R; ++r) ranks[r].check(loopback.stream(r));
       if (it < 3) continue;
       int slowest = 0;
@@ -194,14 +199,10 @@ int run_ep_loopback_bench(const EpBenchOptions& opt) {
     }
     std::vector<double> layer_us;
     for (int it = 0; it < opt.iters + 3; ++it) {
-      flush.run(kick, it);
-      hold_stream(kick, hold_ns);
-      check_cuda(cudaEventRecord(release, kick), "cudaEventRecord");
-      for (int r = 0; r < R; ++r) {
-        check_cuda(cudaStreamWaitEvent(loopback.stream(r), release, 0), "cudaStreamWaitEvent");
+      released_together(it, [&](int r) {
         graphs[r]->launch(loopback.stream(r));
         check_cuda(cudaEventRecord(ends[r], loopback.stream(r)), "cudaEventRecord");
-      }
+      });
       double us = 0;
       for (int r = 0; r < R; ++r) {
         check_cuda(cudaEventSynchronize(ends[r]), "replay");
