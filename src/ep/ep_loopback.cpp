@@ -96,6 +96,7 @@ EpLoopback EpLoopback::create(int world_size, int device) {
   Impl& m = *out.impl_;
   m.world = world_size;
   m.device = device;
+  m.requests.assign(static_cast<size_t>(world_size), 0);
   m.api = GreenApi::load();
   CUdevResource all{};
   check_cu(m.api.get_resource(static_cast<CUdevice>(device), &all, CU_DEV_RESOURCE_TYPE_SM),
@@ -160,7 +161,6 @@ class LoopbackTransport final : public EpTransport {
     EpLoopback::Impl& g = *group_;
     const std::lock_guard<std::mutex> lock(g.mutex);
     // This rank's k-th window set, k = how many sets this rank has asked for (counted per rank).
-    if (g.requests.size() < static_cast<size_t>(g.world)) g.requests.resize(static_cast<size_t>(g.world), 0);
     const size_t k = g.requests[static_cast<size_t>(rank_)]++;
     const size_t flag_bytes = flag_area_bytes(flag_words);
     if (k == g.windows.size()) {
