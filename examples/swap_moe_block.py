@@ -158,20 +158,24 @@ def dequantized_copy(model, nvfp4_blocks: dict):
     with torch.no_grad():
         for index, block in moe_blocks(reference).items():
             q = nvfp4_blocks[index]
+            # A prepared block's buffers hold the kernels' layout: read the checkpoint's.
+            t = q.checkpoint_tensors()
             inter = q.intermediate_size
-            gate = dequantized(q.w13[:, :inter], q.w13_scale[:, :inter], q.w13_scale_2[:, 0])
-            up = dequantized(q.w13[:, inter:], q.w13_scale[:, inter:], q.w13_scale_2[:, 1])
+            gate = dequantized(t["w13"][:, :inter], t["w13_scale"][:, :inter], t["w13_scale_2"][:, 0])
+            up = dequantized(t["w13"][:, inter:], t["w13_scale"][:, inter:], t["w13_scale_2"][:, 1])
             block.experts.gate_up_proj.copy_(torch.cat([gate, up], dim=1))
-            block.experts.down_proj.copy_(dequantized(q.w2, q.w2_scale, q.w2_scale_2))
+            block.experts.down_proj.copy_(dequantized(t["w2"], t["w2_scale"], t["w2_scale_2"]))
             if q.shared_intermediate_size:
                 s_inter = q.shared_intermediate_size
                 shared = block.shared_experts
                 shared.gate_proj.weight.copy_(dequantized(
-                    q.shared_w13[:s_inter], q.shared_w13_scale[:s_inter], q.shared_w13_scale_2[0]))
+                    t["shared_w13"][:s_inter], t["shared_w13_scale"][:s_inter],
+                    t["shared_w13_scale_2"][0]))
                 shared.up_proj.weight.copy_(dequantized(
-                    q.shared_w13[s_inter:], q.shared_w13_scale[s_inter:], q.shared_w13_scale_2[1]))
-                shared.down_proj.weight.copy_(dequantized(q.shared_w2, q.shared_w2_scale,
-                                                          q.shared_w2_scale_2))
+                    t["shared_w13"][s_inter:], t["shared_w13_scale"][s_inter:],
+                    t["shared_w13_scale_2"][1]))
+                shared.down_proj.weight.copy_(dequantized(t["shared_w2"], t["shared_w2_scale"],
+                                                          t["shared_w2_scale_2"]))
     return reference
 
 

@@ -86,8 +86,33 @@ struct StackedNvfp4Weights {
   const float* shared_w2_scale_2 = nullptr;   // [1]
 };
 
-// Prepacked weights on the device (owned). Built once from a layer; the NVFP4 bits are the
-// checkpoint's, reshuffled for the kernels, never decoded into memory.
+// The same tensors, writable: what MoeDeviceWeights::prepack_in_place rewrites and
+// unprepack_stacked writes (device or host pointers there). For prepack_in_place the routed and the
+// shared expert's tensors of each kind are one allocation: shared_w13 starts where w13 ends, and
+// likewise shared_w13_scale, shared_w2 and shared_w2_scale (the kernels address all virtual
+// experts from one base).
+struct StackedNvfp4Buffers {
+  int64_t hidden_size = 0, intermediate_size = 0, num_experts = 0, shared_intermediate_size = 0;
+  uint8_t* w13 = nullptr;
+  uint8_t* w13_scale = nullptr;
+  float* w13_scale_2 = nullptr;
+  uint8_t* w2 = nullptr;
+  uint8_t* w2_scale = nullptr;
+  float* w2_scale_2 = nullptr;
+  uint8_t* shared_w13 = nullptr;
+  uint8_t* shared_w13_scale = nullptr;
+  float* shared_w13_scale_2 = nullptr;
+  uint8_t* shared_w2 = nullptr;
+  uint8_t* shared_w2_scale = nullptr;
+  float* shared_w2_scale_2 = nullptr;
+
+  StackedNvfp4Weights as_const() const;
+};
+
+// Prepacked weights on the device, in the layout of the current architecture's exact backend row
+// (layout()). Built once from a layer; the NVFP4 bits are the checkpoint's, reshuffled for the
+// kernels, never decoded into memory. Owned (upload, from_stacked), or written over and viewing
+// the caller's tensors (prepack_in_place, view_prepacked): then the layer is held once on the GPU.
 class MoeDeviceWeights {
  public:
   // Prepacks on all host cores and copies on `stream`; returns once the copies have landed.
@@ -100,10 +125,27 @@ class MoeDeviceWeights {
   // (kInvalidArgument) naming the tensor and the first bad value, or (kCuda).
   static MoeDeviceWeights from_stacked(const StackedNvfp4Weights& weights,
                                        cudaStream_t stream = nullptr);
+  // from_stacked without a second copy: the prepacked bytes overwrite the caller's w13, w13_scale,
+  // w2 and w2_scale (and the shared expert's), and ModelOpt's all-zero weights are rewritten as
+  // zero codes and scales with global scale 1 in place too (every weight keeps its value). The
+  // result views that memory: keep it alive and unchanged while the weights are used;
+  // unprepack_stacked restores the checkpoint layout. Checks as from_stacked, before the first
+  // write; after a CUDA error during the writes the tensors' content is unspecified. Device
+  // pointers, 16-byte aligned; with a shared expert, one allocation per kind (StackedNvfp4Buffers).
+  static MoeDeviceWeights prepack_in_place(const StackedNvfp4Buffers& buffers,
+                                           cudaStream_t stream = nullptr);
+  // Weights viewing tensors that prepack_in_place has already rewritten on a device of the same
+  // layout (another plan over the same layer, or tensors moved since): copies only the global
+  // scales, checks nothing of the bytes. Synchronises the device.
+  static MoeDeviceWeights view_prepacked(const StackedNvfp4Weights& prepacked,
+                                         cudaStream_t stream = nullptr);
   MoeDeviceWeights(MoeDeviceWeights&&) noexcept;
   MoeDeviceWeights& operator=(MoeDeviceWeights&&) noexcept;
   ~MoeDeviceWeights();
+  // Device memory this object allocated (the global scales alone where it views the caller's).
   size_t device_bytes() const;
+  const char* layout() const;  // "sm90-prepacked-nvfp4"
+  bool views_caller_memory() const;
 
  private:
   struct Impl;
@@ -111,6 +153,18 @@ class MoeDeviceWeights {
   MoeDeviceWeights();
   std::unique_ptr<Impl> impl_;
 };
+
+// The prepacked layout MoeDeviceWeights uses on the current device ("sm90-prepacked-nvfp4");
+// throws megamoe::Error(kUnsupported) where this build has no kernels for it.
+std::string prepacked_layout();
+
+// prepack_in_place's inverse: reads a layer in `layout` (as prepack_in_place wrote it) and writes
+// it to `out` in the checkpoint layout, global scales included. Pointers may be device or host
+// memory; `out` may be `prepacked`'s own memory (restores it in place). A one-time step: copies
+// the layer through the host and synchronises the device. Throws megamoe::Error(kInvalidArgument)
+// naming an unknown layout (and the built ones) or a bad shape.
+void unprepack_stacked(const std::string& layout, const StackedNvfp4Weights& prepacked,
+                       const StackedNvfp4Buffers& out, cudaStream_t stream = nullptr);
 
 struct MoeRunArgs {
   const uint16_t* hidden = nullptr;      // [T, H] bf16, device

@@ -36,6 +36,11 @@ constexpr const char* kPrepare = "moe_prepare";
 constexpr const char* kFused = "fused_moe_nvfp4";
 constexpr const char* kRelease = "moe_release";
 constexpr const char* kDescribe = "moe_describe";
+constexpr const char* kPrepareInPlace = "moe_prepare_in_place";
+constexpr const char* kLayout = "moe_weight_layout";
+constexpr const char* kPrepackedLayout = "moe_prepacked_layout";
+constexpr const char* kUnprepack = "moe_unprepack";
+constexpr const char* kUnprepackInPlace = "moe_unprepack_in_place";
 
 cudaStream_t current_stream(const at::Device& device) {
   return at::cuda::getCurrentCUDAStream(device.index()).stream();
@@ -51,6 +56,42 @@ std::string limit_string(const std::optional<float>& limit) {
   return limit ? std::to_string(*limit) : std::string("None");
 }
 
+// Where a prepared layer's weights come from (MoeDeviceWeights): a prepacked copy, the caller's
+// tensors rewritten in place, or the caller's tensors already rewritten.
+enum class Source { kCopy, kInPlace, kPrepacked };
+
+int64_t prepare(const char* op, Source source, const Stacked& s, int64_t top_k, int64_t max_tokens,
+                std::optional<double> swiglu_limit, bool deterministic, const std::string& precision) {
+  const LayerShape L = check_stacked(op, s);
+  TORCH_CHECK_VALUE(top_k >= 1 && top_k <= INT_MAX, "megamoe.", op, ": top_k = ", top_k, " must be >= 1.");
+  MoeProblem problem;
+  problem.hidden_size = L.hidden;
+  problem.intermediate_size = L.inter;
+  problem.num_experts = L.experts;
+  problem.top_k = static_cast<int>(top_k);
+  problem.shared_intermediate_size = L.shared_inter;
+  problem.max_tokens = max_tokens;
+  if (swiglu_limit) problem.swiglu_limit = static_cast<float>(*swiglu_limit);
+  problem.deterministic = deterministic;
+  // A bad name is kInvalidArgument (ValueError); a precision that no GPU kernel of this build
+  // serves fails in MoePlan::create (kUnsupported: NotImplementedError).
+  problem.precision = parse_precision(precision);
+
+  const c10::cuda::CUDAGuard guard(L.device);
+  MoePlan plan = MoePlan::create(problem);
+  const cudaStream_t stream = current_stream(L.device);
+  MoeDeviceWeights weights = source == Source::kCopy      ? MoeDeviceWeights::from_stacked(device_view(s, L), stream)
+                             : source == Source::kInPlace ? MoeDeviceWeights::prepack_in_place(writable_view(s, L), stream)
+                                                          : MoeDeviceWeights::view_prepacked(device_view(s, L), stream);
+  const int64_t ws_bytes = std::max<int64_t>(static_cast<int64_t>(plan.workspace_bytes()), 256);
+  at::Tensor workspace = at::empty({ws_bytes}, at::TensorOptions().dtype(at::kByte).device(L.device));
+  // Taken after an in-place rewrite: the fused op compares against the tensors as they are now.
+  std::vector<Fingerprint> sources;
+  for (const auto& [name, t] : s.present()) sources.push_back(Fingerprint::of(name, t));
+  return registry().add(std::make_shared<PreparedMoe>(L.device, std::move(plan), std::move(weights),
+                                                      std::move(workspace), std::move(sources)));
+}
+
 int64_t moe_prepare(const at::Tensor& w13, const at::Tensor& w13_scale,
                     const at::Tensor& w13_scale_2, const at::Tensor& w2, const at::Tensor& w2_scale,
                     const at::Tensor& w2_scale_2, int64_t top_k, int64_t max_tokens,
@@ -61,36 +102,108 @@ int64_t moe_prepare(const at::Tensor& w13, const at::Tensor& w13_scale,
                     const std::optional<at::Tensor>& shared_w2,
                     const std::optional<at::Tensor>& shared_w2_scale,
                     const std::optional<at::Tensor>& shared_w2_scale_2,
-                    const std::string& precision) {
+                    const std::string& precision, bool prepacked) {
   return translate_errors(kPrepare, [&] {
     const Stacked s{w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, shared_w13,
                     shared_w13_scale, shared_w13_scale_2, shared_w2, shared_w2_scale,
                     shared_w2_scale_2};
-    const LayerShape L = check_stacked(kPrepare, s);
-    TORCH_CHECK_VALUE(top_k >= 1 && top_k <= INT_MAX, "megamoe.", kPrepare, ": top_k = ", top_k,
-                      " must be >= 1.");
-    MoeProblem problem;
-    problem.hidden_size = L.hidden;
-    problem.intermediate_size = L.inter;
-    problem.num_experts = L.experts;
-    problem.top_k = static_cast<int>(top_k);
-    problem.shared_intermediate_size = L.shared_inter;
-    problem.max_tokens = max_tokens;
-    if (swiglu_limit) problem.swiglu_limit = static_cast<float>(*swiglu_limit);
-    problem.deterministic = deterministic;
-    // A bad name is kInvalidArgument (ValueError); a precision that no GPU kernel of this build
-    // serves fails in MoePlan::create (kUnsupported: NotImplementedError).
-    problem.precision = parse_precision(precision);
+    return prepare(kPrepare, prepacked ? Source::kPrepacked : Source::kCopy, s, top_k, max_tokens, swiglu_limit,
+                   deterministic, precision);
+  });
+}
 
-    const c10::cuda::CUDAGuard guard(L.device);
-    MoePlan plan = MoePlan::create(problem);
-    MoeDeviceWeights weights = MoeDeviceWeights::from_stacked(device_view(s, L), current_stream(L.device));
-    const int64_t ws_bytes = std::max<int64_t>(static_cast<int64_t>(plan.workspace_bytes()), 256);
-    at::Tensor workspace = at::empty({ws_bytes}, at::TensorOptions().dtype(at::kByte).device(L.device));
-    std::vector<Fingerprint> sources;
-    for (const auto& [name, t] : s.present()) sources.push_back(Fingerprint::of(name, t));
-    return registry().add(std::make_shared<PreparedMoe>(L.device, std::move(plan), std::move(weights),
-                                                        std::move(workspace), std::move(sources)));
+int64_t moe_prepare_in_place(const at::Tensor& w13, const at::Tensor& w13_scale, const at::Tensor& w13_scale_2,
+                             const at::Tensor& w2, const at::Tensor& w2_scale, const at::Tensor& w2_scale_2,
+                             int64_t top_k, int64_t max_tokens, std::optional<double> swiglu_limit,
+                             bool deterministic, const std::optional<at::Tensor>& shared_w13,
+                             const std::optional<at::Tensor>& shared_w13_scale,
+                             const std::optional<at::Tensor>& shared_w13_scale_2,
+                             const std::optional<at::Tensor>& shared_w2,
+                             const std::optional<at::Tensor>& shared_w2_scale,
+                             const std::optional<at::Tensor>& shared_w2_scale_2, const std::string& precision) {
+  return translate_errors(kPrepareInPlace, [&] {
+    const Stacked s{w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, shared_w13,
+                    shared_w13_scale, shared_w13_scale_2, shared_w2, shared_w2_scale,
+                    shared_w2_scale_2};
+    return prepare(kPrepareInPlace, Source::kInPlace, s, top_k, max_tokens, swiglu_limit, deterministic,
+                   precision);
+  });
+}
+
+std::string moe_prepacked_layout(c10::Device device) {
+  return translate_errors(kPrepackedLayout, [&] {
+    TORCH_CHECK_VALUE(device.is_cuda(), "megamoe.", kPrepackedLayout, ": ", device,
+                      " is not a CUDA device; prepacked layouts are the GPU kernels'.");
+    const c10::cuda::CUDAGuard guard(device);
+    return prepacked_layout();
+  });
+}
+
+std::string moe_weight_layout(int64_t handle) {
+  return translate_errors(kLayout, [&] { return std::string(registry().get(handle, kLayout)->weights.layout()); });
+}
+
+// The stacked tensors of `s` in the checkpoint layout, read from `layout` (unprepack_stacked):
+// into new CPU tensors, or back into `s`'s own memory.
+std::vector<at::Tensor> unprepack(const char* op, const std::string& layout, const Stacked& s, bool in_place) {
+  const LayerShape L = check_stacked(op, s, /*any_device=*/true);
+  std::optional<c10::cuda::CUDAGuard> guard;
+  if (L.device.is_cuda()) guard.emplace(L.device);
+  const cudaStream_t stream = L.device.is_cuda() ? current_stream(L.device) : nullptr;
+  if (in_place) {
+    unprepack_stacked(layout, device_view(s, L), writable_view(s, L), stream);
+    return {};
+  }
+  std::vector<at::Tensor> out;
+  auto like = [&](const at::Tensor& t) {
+    out.push_back(at::empty(t.sizes(), t.options().device(at::kCPU)));
+    return out.back();
+  };
+  auto like_opt = [&](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
+    if (L.shared_inter == 0) return std::nullopt;
+    return like(*t);
+  };
+  const at::Tensor o_w13 = like(s.w13), o_w13_scale = like(s.w13_scale), o_w13_scale_2 = like(s.w13_scale_2);
+  const at::Tensor o_w2 = like(s.w2), o_w2_scale = like(s.w2_scale), o_w2_scale_2 = like(s.w2_scale_2);
+  const auto o_sw13 = like_opt(s.shared_w13), o_sw13_scale = like_opt(s.shared_w13_scale),
+             o_sw13_scale_2 = like_opt(s.shared_w13_scale_2), o_sw2 = like_opt(s.shared_w2),
+             o_sw2_scale = like_opt(s.shared_w2_scale), o_sw2_scale_2 = like_opt(s.shared_w2_scale_2);
+  const Stacked o{o_w13, o_w13_scale, o_w13_scale_2, o_w2, o_w2_scale, o_w2_scale_2, o_sw13,
+                  o_sw13_scale, o_sw13_scale_2, o_sw2, o_sw2_scale, o_sw2_scale_2};
+  unprepack_stacked(layout, device_view(s, L), writable_view(o, L), stream);
+  return out;
+}
+
+std::vector<at::Tensor> moe_unprepack(const std::string& layout, const at::Tensor& w13, const at::Tensor& w13_scale,
+                                      const at::Tensor& w13_scale_2, const at::Tensor& w2,
+                                      const at::Tensor& w2_scale, const at::Tensor& w2_scale_2,
+                                      const std::optional<at::Tensor>& shared_w13,
+                                      const std::optional<at::Tensor>& shared_w13_scale,
+                                      const std::optional<at::Tensor>& shared_w13_scale_2,
+                                      const std::optional<at::Tensor>& shared_w2,
+                                      const std::optional<at::Tensor>& shared_w2_scale,
+                                      const std::optional<at::Tensor>& shared_w2_scale_2) {
+  return translate_errors(kUnprepack, [&] {
+    const Stacked s{w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, shared_w13,
+                    shared_w13_scale, shared_w13_scale_2, shared_w2, shared_w2_scale,
+                    shared_w2_scale_2};
+    return unprepack(kUnprepack, layout, s, /*in_place=*/false);
+  });
+}
+
+void moe_unprepack_in_place(const std::string& layout, const at::Tensor& w13, const at::Tensor& w13_scale,
+                            const at::Tensor& w13_scale_2, const at::Tensor& w2, const at::Tensor& w2_scale,
+                            const at::Tensor& w2_scale_2, const std::optional<at::Tensor>& shared_w13,
+                            const std::optional<at::Tensor>& shared_w13_scale,
+                            const std::optional<at::Tensor>& shared_w13_scale_2,
+                            const std::optional<at::Tensor>& shared_w2,
+                            const std::optional<at::Tensor>& shared_w2_scale,
+                            const std::optional<at::Tensor>& shared_w2_scale_2) {
+  translate_errors(kUnprepackInPlace, [&] {
+    const Stacked s{w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, shared_w13,
+                    shared_w13_scale, shared_w13_scale_2, shared_w2, shared_w2_scale,
+                    shared_w2_scale_2};
+    unprepack(kUnprepackInPlace, layout, s, /*in_place=*/true);
   });
 }
 
@@ -113,8 +226,10 @@ std::string moe_describe(int64_t handle, int64_t tokens) {
        << " I=" << pr.intermediate_size << " E=" << pr.num_experts << " top_k=" << pr.top_k
        << " shared_I=" << pr.shared_intermediate_size << " max_tokens=" << pr.max_tokens
        << " swiglu_limit=" << limit_string(pr.swiglu_limit)
-       << " precision=" << precision_name(pr.precision) << "; prepacked weights "
-       << p->weights.device_bytes() << " B, workspace " << p->workspace.numel() << " B; "
+       << " precision=" << precision_name(pr.precision) << "; "
+       << (p->weights.views_caller_memory() ? "weights prepacked in place (layout " : "prepacked copy of the weights (layout ")
+       << p->weights.layout() << "), " << p->weights.device_bytes() << " B allocated, workspace "
+       << p->workspace.numel() << " B; "
        << p->plan.describe(tokens);
     return os.str();
   });
@@ -233,8 +348,17 @@ at::Tensor fused_moe_nvfp4_cpu(
 
 TORCH_LIBRARY_IMPL(megamoe, CompositeImplicitAutograd, m) {
   m.impl("moe_prepare", &moe_prepare);
+  m.impl("moe_weight_layout", &moe_weight_layout);
+  m.impl("moe_prepacked_layout", &moe_prepacked_layout);
+  m.impl("moe_unprepack", &moe_unprepack);
   m.impl("moe_release", &moe_release);
   m.impl("moe_describe", &moe_describe);
+}
+
+// The ops that write their tensor arguments: one kernel for every device (they check it).
+TORCH_LIBRARY_IMPL(megamoe, CompositeExplicitAutograd, m) {
+  m.impl("moe_prepare_in_place", &moe_prepare_in_place);
+  m.impl("moe_unprepack_in_place", &moe_unprepack_in_place);
 }
 
 TORCH_LIBRARY_IMPL(megamoe, CUDA, m) { m.impl("fused_moe_nvfp4", &fused_moe_nvfp4_cuda); }

@@ -17,9 +17,9 @@ const float* floats(const at::Tensor& t) { return t.const_data_ptr<float>(); }
 
 }  // namespace
 
-LayerShape check_stacked(const char* op, const Stacked& s) {
+LayerShape check_stacked(const char* op, const Stacked& s, bool any_device) {
+  if (!any_device) arg(op, "w13", s.w13).cuda();
   arg(op, "w13", s.w13)
-      .cuda()
       .dtype({at::kByte})
       .dims(3, "[E, 2I, H/2] packed e2m1, rows gate then up")
       .contiguous();
@@ -78,6 +78,31 @@ LayerShape check_stacked(const char* op, const Stacked& s) {
                       "; expected one fp32 global scale, shape [] or [1].");
   }
   return L;
+}
+
+StackedNvfp4Buffers writable_view(const Stacked& s, const LayerShape& L) {
+  auto bytes = [](const at::Tensor& t) { return static_cast<uint8_t*>(t.data_ptr()); };
+  auto floats = [](const at::Tensor& t) { return t.data_ptr<float>(); };
+  StackedNvfp4Buffers b;
+  b.hidden_size = L.hidden;
+  b.intermediate_size = L.inter;
+  b.num_experts = L.experts;
+  b.w13 = bytes(s.w13);
+  b.w13_scale = bytes(s.w13_scale);
+  b.w13_scale_2 = floats(s.w13_scale_2);
+  b.w2 = bytes(s.w2);
+  b.w2_scale = bytes(s.w2_scale);
+  b.w2_scale_2 = floats(s.w2_scale_2);
+  b.shared_intermediate_size = L.shared_inter;
+  if (L.shared_inter > 0) {
+    b.shared_w13 = bytes(*s.shared_w13);
+    b.shared_w13_scale = bytes(*s.shared_w13_scale);
+    b.shared_w13_scale_2 = floats(*s.shared_w13_scale_2);
+    b.shared_w2 = bytes(*s.shared_w2);
+    b.shared_w2_scale = bytes(*s.shared_w2_scale);
+    b.shared_w2_scale_2 = floats(*s.shared_w2_scale_2);
+  }
+  return b;
 }
 
 StackedNvfp4Weights device_view(const Stacked& s, const LayerShape& L) {

@@ -41,11 +41,14 @@ struct LayerShape {
   at::Device device = at::kCPU;
 };
 
-// Validates dtypes, shapes, devices and layout of the stacked tensors; returns H, I, E, Is.
-LayerShape check_stacked(const char* op, const Stacked& s);
+// Validates dtypes, shapes, devices and layout of the stacked tensors; returns H, I, E, Is. The
+// tensors must be CUDA tensors unless `any_device` (then all on w13's device).
+LayerShape check_stacked(const char* op, const Stacked& s, bool any_device = false);
 
 // The tensors' data as the runtime takes them (MoeDeviceWeights::from_stacked), with the shape
 // check_stacked returned.
 StackedNvfp4Weights device_view(const Stacked& s, const LayerShape& L);
+// The same, writable (MoeDeviceWeights::prepack_in_place, unprepack_stacked).
+StackedNvfp4Buffers writable_view(const Stacked& s, const LayerShape& L);
 
 }  // namespace megamoe::torch_ext

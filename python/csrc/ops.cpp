@@ -25,7 +25,8 @@ TORCH_LIBRARY(megamoe, m) {
 
   // Builds the prepared layer of fused_moe_nvfp4 once (plan for max_tokens, prepacked weights,
   // workspace): copies the stacked tensors to the host, checks every scale, prepacks, uploads and
-  // synchronises. Not for a forward pass. Returns the handle. `precision` is the plan's
+  // synchronises. Not for a forward pass. Returns the handle. With `prepacked`, the tensors are
+  // ones moe_prepare_in_place has rewritten: the layer reads them where they are. `precision` is the plan's
   // (megamoe/precision.h): "w4a16" (exact, the default), "w4a8" or "auto"; a precision that no GPU
   // kernel of this build serves raises NotImplementedError, any other name ValueError.
   m.def(
@@ -34,7 +35,40 @@ TORCH_LIBRARY(megamoe, m) {
       "float? swiglu_limit=None, bool deterministic=False, "
       "Tensor? shared_w13=None, Tensor? shared_w13_scale=None, Tensor? shared_w13_scale_2=None, "
       "Tensor? shared_w2=None, Tensor? shared_w2_scale=None, Tensor? shared_w2_scale_2=None, "
+      "str precision=\"w4a16\", bool prepacked=False) -> int");
+  // moe_prepare without a second copy of the weights: the prepacked layout overwrites w13,
+  // w13_scale, w2 and w2_scale (and the shared expert's; ModelOpt's all-zero weights get global
+  // scale 1 in w13_scale_2 / w2_scale_2), and the layer reads them there. The shared expert's
+  // code and scale tensors must each follow the routed ones in one allocation. Afterwards the
+  // tensors hold moe_weight_layout(handle), not the checkpoint layout: moe_unprepack /
+  // moe_unprepack_in_place give it back, and moe_prepare(..., prepacked=True) prepares another
+  // layer over them (no copy, no check of the bytes).
+  m.def(
+      "moe_prepare_in_place(Tensor(a!) w13, Tensor(b!) w13_scale, Tensor(c!) w13_scale_2, "
+      "Tensor(d!) w2, Tensor(e!) w2_scale, Tensor(f!) w2_scale_2, *, int top_k, int max_tokens, "
+      "float? swiglu_limit=None, bool deterministic=False, "
+      "Tensor(g!)? shared_w13=None, Tensor(h!)? shared_w13_scale=None, "
+      "Tensor(i!)? shared_w13_scale_2=None, Tensor(j!)? shared_w2=None, "
+      "Tensor(k!)? shared_w2_scale=None, Tensor(l!)? shared_w2_scale_2=None, "
       "str precision=\"w4a16\") -> int");
+  // The layout a prepared layer reads its weights in ("sm90-prepacked-nvfp4"), and the one that
+  // moe_prepare_in_place writes on `device`.
+  m.def("moe_weight_layout(int handle) -> str");
+  m.def("moe_prepacked_layout(Device device) -> str");
+  // Tensors in a prepacked `layout` back to the checkpoint layout, as new CPU tensors in
+  // moe_prepare's argument order (w13 .. w2_scale_2, then the shared expert's six when given).
+  m.def(
+      "moe_unprepack(str layout, Tensor w13, Tensor w13_scale, Tensor w13_scale_2, Tensor w2, "
+      "Tensor w2_scale, Tensor w2_scale_2, *, Tensor? shared_w13=None, "
+      "Tensor? shared_w13_scale=None, Tensor? shared_w13_scale_2=None, Tensor? shared_w2=None, "
+      "Tensor? shared_w2_scale=None, Tensor? shared_w2_scale_2=None) -> Tensor[]");
+  // The same, written back into the tensors themselves (through the host; synchronises).
+  m.def(
+      "moe_unprepack_in_place(str layout, Tensor(a!) w13, Tensor(b!) w13_scale, "
+      "Tensor w13_scale_2, Tensor(c!) w2, Tensor(d!) w2_scale, Tensor w2_scale_2, *, "
+      "Tensor(e!)? shared_w13=None, Tensor(f!)? shared_w13_scale=None, "
+      "Tensor? shared_w13_scale_2=None, Tensor(g!)? shared_w2=None, "
+      "Tensor(h!)? shared_w2_scale=None, Tensor? shared_w2_scale_2=None) -> ()");
   // Frees a prepared layer after the device has finished the work queued with it.
   m.def("moe_release(int handle) -> ()");
   // The prepared layer, its memory and the kernel configuration chosen for `tokens`, as text.

@@ -115,6 +115,10 @@ class MoeHandle:
         """The layer, its device memory, and the kernel configuration chosen for ``tokens``."""
         return ops.moe_describe(int(self), int(tokens))
 
+    def layout(self) -> str:
+        """The layout the layer reads its weights in ("sm90-prepacked-nvfp4")."""
+        return ops.moe_weight_layout(int(self))
+
     def release(self) -> None:
         if self._id is not None:
             handle, self._id = self._id, None
@@ -144,12 +148,14 @@ def _shared_kwargs(shared_expert: Optional[Sequence[torch.Tensor]]) -> dict:
 def prepare_moe(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, *, top_k: int,
                 max_tokens: int, swiglu_limit: Optional[float] = None, deterministic: bool = False,
                 shared_expert: Optional[Sequence[torch.Tensor]] = None,
-                precision: str = "w4a16") -> MoeHandle:
+                precision: str = "w4a16", prepacked: bool = False) -> MoeHandle:
     """Prepares the stacked NVFP4 weights (CUDA tensors) for :func:`fused_moe_nvfp4`.
 
     A one-time load step: copies the weights to the host, checks every scale, prepacks them for
     the kernels, uploads the copy and sizes the workspace for ``max_tokens`` tokens. The device
-    holds the prepacked copy beside the stacked tensors. ``shared_expert`` is
+    holds the prepacked copy beside the stacked tensors (:func:`prepare_moe_in_place` holds them
+    once). With ``prepacked``, the tensors are ones :func:`prepare_moe_in_place` has rewritten:
+    the layer reads them where they are (no copy, no check of the bytes). ``shared_expert`` is
     ``(shared_w13, shared_w13_scale, shared_w13_scale_2, shared_w2, shared_w2_scale,
     shared_w2_scale_2)`` or None. ``precision`` is one of :data:`PRECISIONS`: "w4a16" (exact),
     "w4a8" or "auto" (per batch size, w4a8 where it runs and is faster, else w4a16); a precision
@@ -158,8 +164,45 @@ def prepare_moe(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, *, top_k:
     return MoeHandle(ops.moe_prepare(
         w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, top_k=int(top_k),
         max_tokens=int(max_tokens), swiglu_limit=swiglu_limit, deterministic=deterministic,
-        precision=check_precision(precision, "megamoe.prepare_moe"),
+        precision=check_precision(precision, "megamoe.prepare_moe"), prepacked=bool(prepacked),
         **_shared_kwargs(shared_expert)))
+
+
+def prepare_moe_in_place(w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, *, top_k: int,
+                         max_tokens: int, swiglu_limit: Optional[float] = None,
+                         deterministic: bool = False,
+                         shared_expert: Optional[Sequence[torch.Tensor]] = None,
+                         precision: str = "w4a16") -> MoeHandle:
+    """:func:`prepare_moe` without a second copy of the weights on the device.
+
+    Checks every scale first (a refused layer is left as it was), then rewrites ``w13``,
+    ``w13_scale``, ``w2`` and ``w2_scale`` (and the shared expert's) in place into the kernels'
+    layout, ``handle.layout()``; ModelOpt's all-zero weights get global scale 1 in place. The
+    layer reads the tensors there: keep them alive and unchanged. With a shared expert, each of
+    its code and scale tensors must follow the routed one in one storage (``shared_w13`` starts
+    where ``w13`` ends, and so on). :func:`unprepack_moe` / :func:`unprepack_moe_in_place` give
+    the checkpoint layout back.
+    """
+    return MoeHandle(ops.moe_prepare_in_place(
+        w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, top_k=int(top_k),
+        max_tokens=int(max_tokens), swiglu_limit=swiglu_limit, deterministic=deterministic,
+        precision=check_precision(precision, "megamoe.prepare_moe_in_place"),
+        **_shared_kwargs(shared_expert)))
+
+
+def unprepack_moe(layout: str, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, *,
+                  shared_expert: Optional[Sequence[torch.Tensor]] = None) -> list:
+    """Tensors that :func:`prepare_moe_in_place` rewrote into ``layout``, in the checkpoint layout:
+    new CPU tensors in argument order (w13 .. w2_scale_2, then the shared expert's six)."""
+    return ops.moe_unprepack(layout, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
+                             **_shared_kwargs(shared_expert))
+
+
+def unprepack_moe_in_place(layout: str, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, *,
+                           shared_expert: Optional[Sequence[torch.Tensor]] = None) -> None:
+    """:func:`unprepack_moe` written back into the tensors themselves (through the host)."""
+    ops.moe_unprepack_in_place(layout, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
+                               **_shared_kwargs(shared_expert))
 
 
 def fused_moe_nvfp4(hidden, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2, topk_weights,

@@ -12,6 +12,42 @@ from . import _ops
 
 _METHODS = ("softmax", "noaux_tc")
 
+# The code and block-scale buffers, each routed one paired with the shared expert's: with a shared
+# expert, each pair is one storage (the kernels address the shared expert's slices as experts
+# E.. of one base), so that preparing in place needs no second copy.
+_JOINT = (("w13", "shared_w13"), ("w13_scale", "shared_w13_scale"), ("w2", "shared_w2"),
+          ("w2_scale", "shared_w2_scale"))
+_CHECKPOINT = "checkpoint"  # the buffers' layout before prepare() and after unprepare()
+_UNKNOWN = "unknown"        # after a prepare that failed while rewriting the buffers
+
+
+def _adjacent(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``b`` follows ``a`` in one storage, both contiguous."""
+    return (a.device == b.device and a.dtype == b.dtype and a.is_contiguous() and b.is_contiguous()
+            and a.device.type != "meta"
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+            and b.storage_offset() == a.storage_offset() + a.numel())
+
+
+def _flat(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The 1-D tensor over adjacent ``a`` then ``b``."""
+    return a.new_empty(0).set_(a.untyped_storage(), a.storage_offset(), (a.numel() + b.numel(),))
+
+
+def _split(flat: torch.Tensor, a_shape, b_shape):
+    n = _numel(a_shape)
+    return flat[:n].view(a_shape), flat[n:].view(b_shape)
+
+
+_EXPERT_NAMES = ("w13", "w13_scale", "w13_scale_2", "w2", "w2_scale", "w2_scale_2")
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
 
 class NVFP4MoE(torch.nn.Module):
     """A Mixture-of-Experts layer whose experts are NVFP4 (W4A16 on Hopper, docs/design.md §2).
@@ -29,11 +65,17 @@ class NVFP4MoE(torch.nn.Module):
       ``forward(hidden, topk_weights, topk_ids)``: uses the given routing [.., top_k].
     ``hidden`` is bf16 [.., H]; the result has its shape.
 
-    The kernels run on a prepared copy of the weights (:meth:`prepare`, made on the first eager
-    forward if not before): prepare before ``torch.compile`` or CUDA-graph capture. Moving the
-    module, or loading a state dict, releases the prepared copy (re-made on the next forward).
-    Dtype casts (``.to(torch.bfloat16)``, ``.half()``) leave the NVFP4 buffers as they are.
-    Batches larger than ``max_tokens`` run in chunks of ``max_tokens``.
+    The weights are held once on the GPU: :meth:`prepare` (made on the first eager forward if not
+    before) rewrites the code and block-scale buffers in place into the kernels' layout and the
+    kernels read them there; prepare before ``torch.compile`` or CUDA-graph capture. After that
+    the buffers hold that layout, not the checkpoint's: :meth:`state_dict` and
+    :meth:`checkpoint_tensors` give the checkpoint layout back (as CPU tensors, so the device
+    never holds a second copy), :meth:`unprepare` restores it in the buffers, and
+    :meth:`load_state_dict` takes checkpoint-layout tensors (the next forward prepares again).
+    With a shared expert, each routed code or scale buffer and the shared expert's are views of
+    one storage. Moving the module keeps the prepacked bytes and re-makes only the prepared layer
+    (plan and workspace). Dtype casts (``.to(torch.bfloat16)``, ``.half()``) leave the NVFP4
+    buffers as they are. Batches larger than ``max_tokens`` run in chunks of ``max_tokens``.
 
     ``precision`` is the GEMMs' arithmetic, fixed when the layer is prepared: "w4a16" (exact, the
     default), "w4a8" (fp8 activations, docs/w4a8.md) or "auto" (per batch size, w4a8 where it runs
@@ -100,36 +142,108 @@ class NVFP4MoE(torch.nn.Module):
         # The buffers hold this rank's slice (all of it without tensor parallelism).
         H, E = self.hidden_size, self.num_experts
         I, Is = self.intermediate_size // self.tp_size, shared_intermediate_size // self.tp_size
-        f8 = torch.float8_e4m3fn
-
-        def buffer(name, shape, dtype):
-            self.register_buffer(name, torch.empty(shape, dtype=dtype, device=device))
-
-        buffer("w13", (E, 2 * I, H // 2), torch.uint8)
-        buffer("w13_scale", (E, 2 * I, H // 16), f8)
-        buffer("w13_scale_2", (E, 2), torch.float32)
-        buffer("w2", (E, H, I // 2), torch.uint8)
-        buffer("w2_scale", (E, H, I // 16), f8)
-        buffer("w2_scale_2", (E,), torch.float32)
+        shapes = {"w13": (E, 2 * I, H // 2), "w13_scale": (E, 2 * I, H // 16),
+                  "w13_scale_2": (E, 2), "w2": (E, H, I // 2), "w2_scale": (E, H, I // 16),
+                  "w2_scale_2": (E,)}
         if Is:
-            buffer("shared_w13", (2 * Is, H // 2), torch.uint8)
-            buffer("shared_w13_scale", (2 * Is, H // 16), f8)
-            buffer("shared_w13_scale_2", (2,), torch.float32)
-            buffer("shared_w2", (H, Is // 2), torch.uint8)
-            buffer("shared_w2_scale", (H, Is // 16), f8)
-            buffer("shared_w2_scale_2", (1,), torch.float32)
+            shapes.update({"shared_w13": (2 * Is, H // 2), "shared_w13_scale": (2 * Is, H // 16),
+                           "shared_w13_scale_2": (2,), "shared_w2": (H, Is // 2),
+                           "shared_w2_scale": (H, Is // 16), "shared_w2_scale_2": (1,)})
+
+        def dtype_of(name):
+            return (torch.uint8 if name.endswith(("w13", "w2")) else
+                    torch.float32 if name.endswith("_2") else torch.float8_e4m3fn)
+
+        views = {}
+        for name, shared_name in (_JOINT if Is else ()):  # routed then shared, one storage
+            flat = torch.empty(_numel(shapes[name]) + _numel(shapes[shared_name]),
+                               dtype=dtype_of(name), device=device)
+            views[name], views[shared_name] = _split(flat, shapes[name], shapes[shared_name])
+        for name, shape in shapes.items():
+            self.register_buffer(name, views[name] if name in views else
+                                 torch.empty(shape, dtype=dtype_of(name), device=device))
+
         if has_router:
-            buffer("router_weight", (E, H), torch.float32)
+            self.register_buffer("router_weight", torch.empty(E, H, device=device))
         if method == "noaux_tc":
-            buffer("e_score_correction_bias", (E,), torch.float32)
+            self.register_buffer("e_score_correction_bias", torch.empty(E, device=device))
 
         self._handle: Optional[_ops.MoeHandle] = None
         self._handle_id = -1  # what forward passes to the op: an int torch.compile treats as a constant
+        self._layout = _CHECKPOINT  # what the code and block-scale buffers hold
+        self.register_state_dict_post_hook(NVFP4MoE._checkpoint_state)
+        self.register_load_state_dict_pre_hook(NVFP4MoE._before_load)
         self.register_load_state_dict_post_hook(NVFP4MoE._release_after_load)
+
+    # ---- state dicts: always the checkpoint layout
+
+    def _code_names(self):
+        names = ["w13", "w13_scale", "w2", "w2_scale"]
+        if self.shared_intermediate_size:
+            names += ["shared_w13", "shared_w13_scale", "shared_w2", "shared_w2_scale"]
+        return names
+
+    @staticmethod
+    def _checkpoint_state(module: "NVFP4MoE", state_dict, prefix, local_metadata) -> None:
+        if module._layout == _CHECKPOINT:
+            return
+        tensors = module.checkpoint_tensors()
+        for name in module._code_names():
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = tensors[name]
+
+    @staticmethod
+    def _before_load(module: "NVFP4MoE", state_dict, prefix, local_metadata, strict, missing_keys,
+                     unexpected_keys, error_msgs) -> None:
+        if module._layout == _CHECKPOINT:
+            return
+        incoming = [state_dict.get(prefix + name) for name in module._code_names()]
+        if all(t is not None and t.shape == module._buffers[name].shape
+               for t, name in zip(incoming, module._code_names())):
+            # Every prepacked byte is about to be overwritten with checkpoint-layout bytes.
+            module.release()
+            module._layout = _CHECKPOINT
+        elif any(t is not None for t in incoming):
+            module.unprepare()  # a partial load: the buffers it leaves must be in the same layout
 
     @staticmethod
     def _release_after_load(module: "NVFP4MoE", incompatible_keys) -> None:
-        module.release()  # the loaded bytes replace the ones the prepared copy was made from
+        module.release()  # the loaded bytes replace the ones the prepared layer was made from
+
+    def checkpoint_tensors(self) -> dict:
+        """The layer's tensors by buffer name, in the checkpoint layout: the buffers themselves
+        where the layer is not prepared in place, else new CPU tensors for the code and block-scale
+        buffers (unpacked through the host; the device holds no second copy)."""
+        tensors = dict(self.named_buffers())
+        if self._layout == _CHECKPOINT:
+            return tensors
+        self._check_layout_known("checkpoint_tensors")
+        names = list(_EXPERT_NAMES) + (list(_ops.SHARED_EXPERT_ARGS)
+                                       if self.shared_intermediate_size else [])
+        unpacked = _ops.unprepack_moe(self._layout, *self._expert_tensors(),
+                                      shared_expert=self._shared_tensors())
+        for name, t in zip(names, unpacked):
+            if name in self._code_names():
+                tensors[name] = t
+        return tensors
+
+    def unprepare(self) -> "NVFP4MoE":
+        """Frees the prepared layer and rewrites the buffers back into the checkpoint layout, in
+        place (through the host). Afterwards the buffers can be read or changed as checkpoint
+        tensors; the next forward prepares again."""
+        self.release()
+        if self._layout != _CHECKPOINT:
+            self._check_layout_known("unprepare")
+            _ops.unprepack_moe_in_place(self._layout, *self._expert_tensors(),
+                                        shared_expert=self._shared_tensors())
+            self._layout = _CHECKPOINT
+        return self
+
+    def _check_layout_known(self, where: str) -> None:
+        if self._layout == _UNKNOWN:
+            raise RuntimeError(f"NVFP4MoE.{where}: a prepare() failed while rewriting the weight "
+                               "buffers, which now hold neither layout; load the weights again "
+                               "(load_state_dict, or a new module)")
 
     # ---- construction
 
@@ -203,6 +317,26 @@ class NVFP4MoE(torch.nn.Module):
         return cls.from_tensors(tensors, top_k, device=device, **options)
 
     def _assign(self, tensors: dict) -> None:
+        self._set_buffers(tensors)
+        self._layout = _CHECKPOINT
+        self._join()
+
+    def _join(self) -> None:
+        """Makes each routed code or scale buffer and the shared expert's one storage again where
+        they are not (after a buffer was replaced): one copy of the pair, on its device."""
+        if not self.shared_intermediate_size:
+            return
+        for name, shared_name in _JOINT:
+            a, b = self._buffers[name], self._buffers[shared_name]
+            if _adjacent(a, b):
+                continue
+            flat = torch.empty(a.numel() + b.numel(), dtype=a.dtype, device=a.device)
+            routed, shared = _split(flat, a.shape, b.shape)
+            routed.copy_(a)
+            shared.copy_(b.to(a.device))
+            self._buffers[name], self._buffers[shared_name] = routed, shared
+
+    def _set_buffers(self, tensors: dict) -> None:
         unknown = set(tensors) - {name for name, _ in self.named_buffers()}
         if unknown:
             raise ValueError(f"NVFP4MoE: unexpected tensors {sorted(unknown)}")
@@ -224,10 +358,12 @@ class NVFP4MoE(torch.nn.Module):
     # ---- the prepared copy
 
     def prepare(self, max_tokens: Optional[int] = None) -> "NVFP4MoE":
-        """(Re)builds the prepared copy of the weights the kernels run on (CUDA weights only).
+        """(Re)builds the prepared layer the kernels run (CUDA weights only).
 
-        A one-time load step (host copy, scale checks, prepack, upload): call it after loading
-        or changing weights and before torch.compile or CUDA-graph capture.
+        The first time, a one-time load step: the buffers are copied to the host, every scale is
+        checked, and the prepacked layout is written back over them in place. Afterwards (a move,
+        a new ``max_tokens``) only the plan and workspace are made. Call it after loading weights
+        and before torch.compile or CUDA-graph capture.
         """
         if max_tokens is not None:
             if max_tokens < 1:
@@ -237,15 +373,31 @@ class NVFP4MoE(torch.nn.Module):
         if self.w13.device.type != "cuda":
             raise ValueError(f"NVFP4MoE.prepare: the weights are on {self.w13.device}; move the "
                              "module to a CUDA device first (module.cuda())")
-        self._handle = _ops.prepare_moe(
-            *self._expert_tensors(), top_k=self.top_k, max_tokens=self.max_tokens,
-            swiglu_limit=self.swiglu_limit, deterministic=self.deterministic,
-            shared_expert=self._shared_tensors(), precision=self.precision)
+        self._check_layout_known("prepare")
+        device_layout = _ops.ops.moe_prepacked_layout(self.w13.device)
+        if self._layout not in (_CHECKPOINT, device_layout):
+            self.unprepare()  # prepacked for another architecture
+        self._join()
+        options = dict(top_k=self.top_k, max_tokens=self.max_tokens,
+                       swiglu_limit=self.swiglu_limit, deterministic=self.deterministic,
+                       shared_expert=self._shared_tensors(), precision=self.precision)
+        if self._layout == _CHECKPOINT:
+            try:
+                self._handle = _ops.prepare_moe_in_place(*self._expert_tensors(), **options)
+            except (ValueError, TypeError, NotImplementedError):
+                raise  # refused before anything was written
+            except BaseException:
+                self._layout = _UNKNOWN
+                raise
+            self._layout = self._handle.layout()
+        else:
+            self._handle = _ops.prepare_moe(*self._expert_tensors(), prepacked=True, **options)
         self._handle_id = int(self._handle)
         return self
 
     def release(self) -> None:
-        """Frees the prepared copy (the next forward makes a new one)."""
+        """Frees the prepared layer's plan and workspace (the next forward makes new ones); the
+        buffers keep the layout they hold."""
         if self._handle is not None:
             self._handle.release()
         self._handle, self._handle_id = None, -1
@@ -258,14 +410,31 @@ class NVFP4MoE(torch.nn.Module):
 
     def _apply(self, fn, recurse=True):
         # Device moves apply; dtype casts do not (the NVFP4 buffers have fixed dtypes). Any
-        # move invalidates the prepared copy, which points at the old tensors.
+        # move invalidates the prepared layer, which points at the old tensors.
         self.release()
 
         def keep_dtype(t):
             moved = fn(t)
             return moved if moved.dtype == t.dtype else t.to(moved.device)
 
-        return super()._apply(keep_dtype, recurse)
+        # Each joint pair moves as its one storage (moved apart, the pair would need a second
+        # copy to be joined again). None hides a buffer from Module._apply and keeps its order.
+        joint = []
+        for name, shared_name in (_JOINT if self.shared_intermediate_size else ()):
+            a, b = self._buffers[name], self._buffers[shared_name]
+            if _adjacent(a, b):
+                joint.append((name, shared_name, a, b))
+                self._buffers[name] = self._buffers[shared_name] = None
+        try:
+            result = super()._apply(keep_dtype, recurse)
+        except BaseException:
+            for name, shared_name, a, b in joint:
+                self._buffers[name], self._buffers[shared_name] = a, b
+            raise
+        for name, shared_name, a, b in joint:
+            self._buffers[name], self._buffers[shared_name] = _split(keep_dtype(_flat(a, b)),
+                                                                      a.shape, b.shape)
+        return result
 
     def _expert_tensors(self):
         return (self.w13, self.w13_scale, self.w13_scale_2, self.w2, self.w2_scale,
@@ -359,4 +528,6 @@ class NVFP4MoE(torch.nn.Module):
         if self.tp_group is not None:
             parts.append(f"tp_rank={self.tp_rank}, tp_size={self.tp_size}")
         parts.append(f"max_tokens={self.max_tokens}, prepared={self._handle is not None}")
+        if self._layout != _CHECKPOINT:
+            parts.append(f"layout={self._layout}")
         return ", ".join(parts)

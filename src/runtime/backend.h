@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -31,14 +32,37 @@ struct DeviceInfo {
 };
 DeviceInfo current_device();
 
-// A layer's weights on the device in one row's layout (owned; freed with the object). Rows of an
+// A layer's weights on the device in one row's layout (owned and freed with the object, or the
+// caller's memory, viewed: MoeDeviceWeights::prepack_in_place). Rows of an
 // architecture that read the same layout share one upload: a layer is held once per GPU whatever
 // precision runs it.
 class BackendWeights {
  public:
   virtual ~BackendWeights() = default;
   virtual const char* layout() const = 0;
-  virtual size_t device_bytes() const = 0;
+  virtual size_t device_bytes() const = 0;          // allocated by this object
+  virtual bool views_caller_memory() const = 0;     // the layer's bytes are the caller's
+};
+
+// A layer's prepacked bytes in the caller's device memory: per kind, the virtual experts (routed,
+// then the shared expert's slices) one after another, as many bytes as the checkpoint's of that
+// kind (MoeDeviceWeights::prepack_in_place).
+struct WeightStorage {
+  uint8_t* w13_codes = nullptr;
+  uint8_t* w13_scales = nullptr;
+  uint8_t* w2_codes = nullptr;
+  uint8_t* w2_scales = nullptr;
+};
+
+// The same bytes on the host, read-only (unprepack).
+struct HostPrepacked {
+  std::span<const uint8_t> w13_codes, w13_scales, w2_codes, w2_scales;
+};
+
+// A layer's global scales: each routed expert's (gate, up, down), then the shared expert's.
+struct GlobalScales {
+  std::vector<std::array<float, 3>> routed;
+  std::array<float, 3> shared{};
 };
 
 // A run whose tokens arrive on the device while it is queued (token_gate.h): args.tokens is their
@@ -76,6 +100,15 @@ class MoeBackend {
   // The layout this row's kernels read, and the upload (prepack) that makes it.
   virtual const char* weight_layout() const = 0;
   virtual std::unique_ptr<BackendWeights> upload(const MoeLayer& layer, cudaStream_t stream) const = 0;
+  // upload() into the caller's storage instead of new memory; the result views it.
+  virtual std::unique_ptr<BackendWeights> upload_into(const MoeLayer& layer, const WeightStorage& into,
+                                                      cudaStream_t stream) const = 0;
+  // Weights viewing storage upload_into has already written for a layer of `shape`.
+  virtual std::unique_ptr<BackendWeights> view(const MoeProblem& shape, const WeightStorage& at,
+                                               const GlobalScales& scales, cudaStream_t stream) const = 0;
+  // upload_into's inverse on the host: the codes and block scales of `in` written to `out` (host
+  // pointers) in the checkpoint layout; global scales are not touched.
+  virtual void unprepack(const MoeProblem& shape, const HostPrepacked& in, const StackedNvfp4Buffers& out) const = 0;
 
   // Launches only: arguments are checked (check_run_args), T > 0, weights in weight_layout().
   // With `gated`, the tokens arrive on the device (run_gated).
@@ -98,6 +131,9 @@ std::string built_backends();
 // The row that uploads weights for `arch` (every row of an arch reads its layout); throws
 // megamoe::Error(kUnsupported) naming the built rows where there is none.
 const MoeBackend& weights_backend(Arch arch);
+// A row whose weight_layout() is `layout` (every row reading a layout can unprepack it); throws
+// megamoe::Error(kInvalidArgument) naming the built layouts where there is none.
+const MoeBackend& layout_backend(const std::string& layout);
 
 // The rows a plan for `problem` (validate_problem_common passed) on `arch` may use, each row's
 // validation passed (MoePlan::create; no device needed). Throws megamoe::Error(kUnsupported)

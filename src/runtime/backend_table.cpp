@@ -69,4 +69,15 @@ const MoeBackend& weights_backend(Arch arch) {
   return *exact;
 }
 
+const MoeBackend& layout_backend(const std::string& layout) {
+  std::string built;
+  for (const MoeBackend* row : table()) {
+    if (row->weight_layout() == layout) return *row;
+    const std::string name = row->weight_layout();
+    if (built.find(name) == std::string::npos) built += (built.empty() ? "" : ", ") + name;
+  }
+  MEGAMOE_FAIL(kInvalidArgument, "weight layout \"", layout, "\" is not one of this build's (",
+               built.empty() ? std::string("none") : built, ").");
+}
+
 }  // namespace megamoe::runtime

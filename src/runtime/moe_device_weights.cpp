@@ -12,6 +12,8 @@ MoeDeviceWeights::MoeDeviceWeights(MoeDeviceWeights&&) noexcept = default;
 MoeDeviceWeights& MoeDeviceWeights::operator=(MoeDeviceWeights&&) noexcept = default;
 MoeDeviceWeights::~MoeDeviceWeights() = default;
 size_t MoeDeviceWeights::device_bytes() const { return impl_->data ? impl_->data->device_bytes() : 0; }
+const char* MoeDeviceWeights::layout() const { return impl_->data ? impl_->data->layout() : ""; }
+bool MoeDeviceWeights::views_caller_memory() const { return impl_->data && impl_->data->views_caller_memory(); }
 
 MoeDeviceWeights MoeDeviceWeights::upload(const MoeLayer& layer, cudaStream_t stream) {
   layer.validate();

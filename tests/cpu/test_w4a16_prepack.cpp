@@ -5,11 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "backends/sm90_w4a16/sm90_w4a16_layout.h"
 #include "backends/sm90_w4a16/sm90_w4a16_prepack.h"
 #include "megamoe/format.h"
+#include "megamoe/runtime.h"
+#include "megamoe/status.h"
 #include "tests/common/test_util.h"
 
 namespace megamoe {
@@ -97,6 +100,22 @@ TEST(W4a16Prepack, UnprepackInvertsPrepack) {
         ASSERT_EQ(d.scales[at], ex.down.weight_scale[at]) << "down row " << r << " k " << k;
       }
     }
+  }
+}
+
+// A layout this build does not have is refused before anything is read (no device needed).
+TEST(W4a16Prepack, UnprepackStackedNamesTheBuiltLayouts) {
+  StackedNvfp4Weights in;
+  StackedNvfp4Buffers out;
+  try {
+    unprepack_stacked("sm80-something", in, out);
+    ADD_FAILURE() << "no error for an unknown layout";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("weight layout \"sm80-something\" is not one of this build's "
+                                         "(sm90-prepacked-nvfp4)"),
+              std::string::npos)
+        << e.what();
   }
 }
 

@@ -1,11 +1,14 @@
 // MoeDeviceWeights::from_stacked (the engine layout already on the device) against upload() of
 // the same layer: the same prepacked weights, so deterministic runs are bitwise identical. Also
-// every rejection: bad block scales, bad global scales, null pointers, bad shapes.
+// every rejection: bad block scales, bad global scales, null pointers, bad shapes. Then the layer
+// held once: prepack_in_place and view_prepacked run bitwise as from_stacked, unprepack_stacked
+// gives the checkpoint bytes back, and a rejected layer is left untouched.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -263,10 +266,10 @@ TEST(GpuStackedWeights, RejectsNullPointersAndBadShapes) {
   };
   StackedNvfp4Weights w = dev.view;
   w.w2 = nullptr;
-  expect_error(w, "w2 is a null device pointer");
+  expect_error(w, "w2 is a null pointer");
   w = dev.view;
   w.shared_w2_scale_2 = nullptr;
-  expect_error(w, "shared_w2_scale_2 is a null device pointer");
+  expect_error(w, "shared_w2_scale_2 is a null pointer");
   w = dev.view;
   w.hidden_size = 120;  // not a multiple of 16
   expect_error(w, "hidden_size 120");
@@ -286,6 +289,253 @@ TEST(GpuStackedWeights, RejectsNullPointersAndBadShapes) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("multiple of 64"), std::string::npos) << e.what();
   }
+}
+
+// The stacked tensors with the routed and the shared expert's of each kind in one allocation, as
+// prepack_in_place needs them (a torch module's buffers are views of such storages).
+struct JointStacked {
+  JointStacked(const MoeLayer& layer, const HostStacked& h)
+      : w13(concat(h.w13, h.s_w13)), w13_scale(concat(h.w13_scale, h.s_w13_scale)), w2(concat(h.w2, h.s_w2)),
+        w2_scale(concat(h.w2_scale, h.s_w2_scale)), w13_scale_2(h.w13_scale_2), w2_scale_2(h.w2_scale_2),
+        s_w13_scale_2(nonempty(h.s_w13_scale_2)), s_w2_scale_2(nonempty(h.s_w2_scale_2)) {
+    b.hidden_size = layer.hidden_size;
+    b.intermediate_size = layer.intermediate_size;
+    b.num_experts = layer.num_experts;
+    b.w13 = w13.get();
+    b.w13_scale = w13_scale.get();
+    b.w13_scale_2 = w13_scale_2.get();
+    b.w2 = w2.get();
+    b.w2_scale = w2_scale.get();
+    b.w2_scale_2 = w2_scale_2.get();
+    if (layer.shared_expert) {
+      b.shared_intermediate_size = layer.shared_expert->intermediate_size();
+      b.shared_w13 = w13.get() + h.w13.size();
+      b.shared_w13_scale = w13_scale.get() + h.w13_scale.size();
+      b.shared_w13_scale_2 = s_w13_scale_2.get();
+      b.shared_w2 = w2.get() + h.w2.size();
+      b.shared_w2_scale = w2_scale.get() + h.w2_scale.size();
+      b.shared_w2_scale_2 = s_w2_scale_2.get();
+    }
+  }
+  static std::vector<uint8_t> concat(const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+    std::vector<uint8_t> out = a;
+    out.insert(out.end(), b.begin(), b.end());
+    return out;
+  }
+  // The routed then the shared bytes of each kind, and the global scales, as on the device now.
+  HostStacked download() const {
+    HostStacked h;
+    const int64_t H = b.hidden_size, I = b.intermediate_size, E = b.num_experts;
+    const auto split = [](const std::vector<uint8_t>& all, int64_t routed, std::vector<uint8_t>& r,
+                          std::vector<uint8_t>& sh) {
+      r.assign(all.begin(), all.begin() + routed);
+      sh.assign(all.begin() + routed, all.end());
+    };
+    split(w13.download(), E * 2 * I * H / 2, h.w13, h.s_w13);
+    split(w13_scale.download(), E * 2 * I * H / 16, h.w13_scale, h.s_w13_scale);
+    split(w2.download(), E * H * I / 2, h.w2, h.s_w2);
+    split(w2_scale.download(), E * H * I / 16, h.w2_scale, h.s_w2_scale);
+    h.w13_scale_2 = w13_scale_2.download();
+    h.w2_scale_2 = w2_scale_2.download();
+    if (b.shared_intermediate_size > 0) {
+      h.s_w13_scale_2 = s_w13_scale_2.download();
+      h.s_w2_scale_2 = s_w2_scale_2.download();
+    }
+    return h;
+  }
+  DeviceBuffer<uint8_t> w13, w13_scale, w2, w2_scale;
+  DeviceBuffer<float> w13_scale_2, w2_scale_2, s_w13_scale_2, s_w2_scale_2;
+  StackedNvfp4Buffers b;
+};
+
+// The bytes a prepack round trip gives back: the codes of every zero-scale block cleared.
+std::vector<uint8_t> canonical_codes(std::vector<uint8_t> codes, const std::vector<uint8_t>& scales) {
+  for (size_t blk = 0; blk < scales.size(); ++blk) {
+    if (scales[blk] == 0) std::fill(codes.begin() + 8 * blk, codes.begin() + 8 * blk + 8, 0);
+  }
+  return codes;
+}
+
+void expect_same_bytes(const HostStacked& got, const HostStacked& want) {
+  EXPECT_TRUE(got.w13 == canonical_codes(want.w13, want.w13_scale)) << "w13";
+  EXPECT_TRUE(got.w13_scale == want.w13_scale) << "w13_scale";
+  EXPECT_TRUE(got.w2 == canonical_codes(want.w2, want.w2_scale)) << "w2";
+  EXPECT_TRUE(got.w2_scale == want.w2_scale) << "w2_scale";
+  EXPECT_TRUE(got.w13_scale_2 == want.w13_scale_2) << "w13_scale_2";
+  EXPECT_TRUE(got.w2_scale_2 == want.w2_scale_2) << "w2_scale_2";
+  EXPECT_TRUE(got.s_w13 == canonical_codes(want.s_w13, want.s_w13_scale)) << "shared_w13";
+  EXPECT_TRUE(got.s_w13_scale == want.s_w13_scale) << "shared_w13_scale";
+  EXPECT_TRUE(got.s_w2 == canonical_codes(want.s_w2, want.s_w2_scale)) << "shared_w2";
+  EXPECT_TRUE(got.s_w2_scale == want.s_w2_scale) << "shared_w2_scale";
+  EXPECT_TRUE(got.s_w13_scale_2 == want.s_w13_scale_2) << "shared_w13_scale_2";
+  EXPECT_TRUE(got.s_w2_scale_2 == want.s_w2_scale_2) << "shared_w2_scale_2";
+}
+
+int64_t count_differ(const std::vector<uint16_t>& a, const std::vector<uint16_t>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  int64_t differ = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i) differ += a[i] != b[i];
+  return differ;
+}
+
+void check_in_place(int64_t H, int64_t I, int64_t E, int k, int64_t shared_I, int64_t T) {
+  SCOPED_TRACE(::testing::Message() << "H=" << H << " I=" << I << " E=" << E << " k=" << k
+                                    << " shared_I=" << shared_I << " T=" << T);
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
+  const MoeLayer layer = testing::random_layer(rng, H, I, E, k, shared_I, std::nullopt, {testing::ScaleCodes::kEveryCode});
+  const HostStacked host = stack(layer);
+  JointStacked joint(layer, host);
+  MoeProblem problem = MoeProblem::from_layer(layer, T);
+  problem.deterministic = true;
+  const MoePlan plan = MoePlan::create(problem);
+  GpuMoe copied(plan, MoeDeviceWeights::from_stacked(joint.b.as_const()));
+
+  GpuMoe in_place(plan, MoeDeviceWeights::prepack_in_place(joint.b));
+  EXPECT_TRUE(in_place.weights.views_caller_memory());
+  EXPECT_FALSE(copied.weights.views_caller_memory());
+  EXPECT_EQ(std::string(in_place.weights.layout()), prepacked_layout());
+  const int64_t virtual_experts = E + shared_I / I;
+  EXPECT_EQ(in_place.weights.device_bytes(), static_cast<size_t>(3 * virtual_experts) * sizeof(float))
+      << "a layer prepacked in place allocates its global scales only";
+  EXPECT_FALSE(joint.download().w13 == host.w13) << "the caller's w13 holds the prepacked layout";
+
+  const auto hidden = testing::random_hidden(rng, T, H);
+  const auto topk = testing::random_topk(rng, T, E, k);
+  const auto want = copied.run(hidden, topk);
+  EXPECT_EQ(count_differ(in_place.run(hidden, topk), want), 0) << "prepack_in_place vs from_stacked";
+  GpuMoe viewed(plan, MoeDeviceWeights::view_prepacked(joint.b.as_const()));
+  EXPECT_TRUE(viewed.weights.views_caller_memory());
+  EXPECT_EQ(count_differ(viewed.run(hidden, topk), want), 0) << "view_prepacked vs from_stacked";
+
+  // Out of place to fresh host memory, then in place: the checkpoint bytes both times.
+  HostStacked out = host;
+  for (auto* v : {&out.w13, &out.w13_scale, &out.w2, &out.w2_scale, &out.s_w13, &out.s_w13_scale, &out.s_w2,
+                  &out.s_w2_scale}) {
+    std::fill(v->begin(), v->end(), 0xA5);  // poison: every byte must be written
+  }
+  for (auto* v : {&out.w13_scale_2, &out.w2_scale_2, &out.s_w13_scale_2, &out.s_w2_scale_2}) {
+    std::fill(v->begin(), v->end(), NAN);
+  }
+  StackedNvfp4Buffers host_out = joint.b;
+  host_out.w13 = out.w13.data();
+  host_out.w13_scale = out.w13_scale.data();
+  host_out.w13_scale_2 = out.w13_scale_2.data();
+  host_out.w2 = out.w2.data();
+  host_out.w2_scale = out.w2_scale.data();
+  host_out.w2_scale_2 = out.w2_scale_2.data();
+  if (shared_I > 0) {
+    host_out.shared_w13 = out.s_w13.data();
+    host_out.shared_w13_scale = out.s_w13_scale.data();
+    host_out.shared_w13_scale_2 = out.s_w13_scale_2.data();
+    host_out.shared_w2 = out.s_w2.data();
+    host_out.shared_w2_scale = out.s_w2_scale.data();
+    host_out.shared_w2_scale_2 = out.s_w2_scale_2.data();
+  }
+  unprepack_stacked(in_place.weights.layout(), joint.b.as_const(), host_out);
+  {
+    SCOPED_TRACE("unprepacked to host memory");
+    expect_same_bytes(out, host);
+  }
+  unprepack_stacked(in_place.weights.layout(), joint.b.as_const(), joint.b);
+  {
+    SCOPED_TRACE("unprepacked in place");
+    expect_same_bytes(joint.download(), host);
+  }
+}
+
+TEST(GpuStackedWeights, InPlaceRunsAsFromStackedAndUnprepacksWithoutSharedExpert) {
+  MEGAMOE_REQUIRE_GPU();
+  check_in_place(256, 128, 8, 2, 0, 37);
+}
+
+TEST(GpuStackedWeights, InPlaceRunsAsFromStackedAndUnprepacksWithSharedExpert) {
+  MEGAMOE_REQUIRE_GPU();
+  check_in_place(512, 128, 6, 3, 256, 70);
+  check_in_place(128, 64, 64, 4, 64, 200);  // prepack batches of experts
+}
+
+// ModelOpt's all-zero weight prepacked in place: its global scale becomes 1 in the caller's tensor
+// too, so the run, a view and the unprepacked bytes all say the same zero weight.
+TEST(GpuStackedWeights, InPlaceRewritesModelOptZeroWeightAsZeros) {
+  MEGAMOE_REQUIRE_GPU();
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
+  const int64_t H = 256, I = 128, E = 4, T = 16;
+  const MoeLayer layer = testing::random_layer(rng, H, I, E, 2, 0);
+  HostStacked host = stack(layer);
+  std::fill(host.w2.begin() + 2 * H * (I / 2), host.w2.begin() + 3 * H * (I / 2), 0x77);
+  std::fill(host.w2_scale.begin() + 2 * H * (I / 16), host.w2_scale.begin() + 3 * H * (I / 16), 0x7F);
+  host.w2_scale_2[2] = 0.0f;
+  JointStacked joint(layer, host);
+  MoeProblem problem = MoeProblem::from_layer(layer, T);
+  problem.deterministic = true;
+  const MoePlan plan = MoePlan::create(problem);
+  GpuMoe copied(plan, MoeDeviceWeights::from_stacked(joint.b.as_const()));
+  GpuMoe in_place(plan, MoeDeviceWeights::prepack_in_place(joint.b));
+  EXPECT_EQ(joint.download().w2_scale_2[2], 1.0f);
+  const auto hidden = testing::random_hidden(rng, T, H);
+  const auto topk = testing::random_topk(rng, T, E, 2);
+  EXPECT_EQ(count_differ(in_place.run(hidden, topk), copied.run(hidden, topk)), 0);
+  unprepack_stacked(in_place.weights.layout(), joint.b.as_const(), joint.b);
+  const HostStacked back = joint.download();
+  for (int64_t i = 2 * H * (I / 16); i < 3 * H * (I / 16); ++i) ASSERT_EQ(back.w2_scale[i], 0) << i;
+  for (int64_t i = 2 * H * (I / 2); i < 3 * H * (I / 2); ++i) ASSERT_EQ(back.w2[i], 0) << i;
+}
+
+template <typename Fn>
+void expect_invalid(Fn fn, const std::string& expected) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error; expected one mentioning '" << expected << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+  }
+}
+
+TEST(GpuStackedWeights, InPlaceRejectsMemoryItCannotUseAndLeavesBadLayersUntouched) {
+  MEGAMOE_REQUIRE_GPU();
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
+  const int64_t H = 128, I = 64, E = 4, Is = 64;
+  const MoeLayer layer = testing::random_layer(rng, H, I, E, 2, Is);
+  const HostStacked host = stack(layer);
+  JointStacked joint(layer, host);
+
+  StackedNvfp4Buffers b = joint.b;
+  const DeviceStacked apart(layer, host);  // the shared expert's tensors in their own allocations
+  b.shared_w2 = const_cast<uint8_t*>(apart.view.shared_w2);
+  expect_invalid([&] { MoeDeviceWeights::prepack_in_place(b); }, "shared_w2 must start where w2 ends");
+  expect_invalid([&] { MoeDeviceWeights::view_prepacked(b.as_const()); }, "shared_w2 must start where w2 ends");
+  b = joint.b;
+  b.w2_scale += 8;
+  b.shared_w2_scale += 8;
+  expect_invalid([&] { MoeDeviceWeights::prepack_in_place(b); }, "w2_scale is not 16-byte aligned");
+  std::vector<uint8_t> host_codes = joint.w13.download();
+  b = joint.b;
+  b.w13 = host_codes.data();
+  b.shared_w13 = host_codes.data() + host.w13.size();
+  expect_invalid([&] { MoeDeviceWeights::prepack_in_place(b); }, "w13 is not device memory");
+  b = joint.b;
+  b.w13_scale_2 = nullptr;
+  expect_invalid([&] { MoeDeviceWeights::prepack_in_place(b); }, "w13_scale_2 is a null pointer");
+
+  // A bad block scale is found before anything is written.
+  HostStacked bad = host;
+  bad.w2_scale[5] = 0x7F;
+  JointStacked bad_joint(layer, bad);
+  expect_invalid([&] { MoeDeviceWeights::prepack_in_place(bad_joint.b); }, "w2_scale[0, 1, 1] is the block scale 0x7F");
+  const HostStacked after = bad_joint.download();
+  EXPECT_TRUE(after.w13 == bad.w13 && after.w2 == bad.w2 && after.s_w13 == bad.s_w13 && after.s_w2 == bad.s_w2 &&
+              after.w2_scale == bad.w2_scale)
+      << "a rejected layer must be left as it was";
+
+  expect_invalid([&] { unprepack_stacked("no-such-layout", joint.b.as_const(), joint.b); },
+                 "weight layout \"no-such-layout\" is not one of this build's (" + prepacked_layout());
+  StackedNvfp4Buffers wrong = joint.b;
+  wrong.num_experts = E - 1;
+  expect_invalid([&] { unprepack_stacked(prepacked_layout(), joint.b.as_const(), wrong); }, "out has hidden_size");
 }
 
 }  // namespace

@@ -68,8 +68,9 @@ def random_shared(H: int, Is: int, scale_codes=(0x20, 0x48)) -> dict:
 
 
 def layer_tensors(module) -> dict:
-    """The stacked tensors of an NVFP4MoE, for the oracle."""
-    return {name: buf for name, buf in module.named_buffers()}
+    """The stacked tensors of an NVFP4MoE in the checkpoint layout, on its device, for the oracle
+    (a prepared module's buffers hold the kernels' layout)."""
+    return {name: t.to(module.w13.device) for name, t in module.checkpoint_tensors().items()}
 
 
 # ---- synthetic checkpoints (what a ModelOpt or compressed-tensors export holds)

@@ -209,7 +209,8 @@ def test_load_state_dict_and_moves_reprepare(seed):
 def test_describe_reports_memory_and_config():
     module = make_module(8, 256, 128, 2)
     text = module.describe(16)
-    assert "prepacked weights" in text and "workspace" in text and "max_tokens=4096" in text, text
+    assert "weights prepacked in place (layout sm90-prepacked-nvfp4)" in text, text
+    assert "workspace" in text and "max_tokens=4096" in text, text
 
 
 def test_from_checkpoint_on_gpu_matches_oracle(tmp_path, seed):

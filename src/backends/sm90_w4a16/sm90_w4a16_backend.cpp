@@ -28,6 +28,17 @@ class Sm90W4a16Backend final : public MoeBackend {
   std::unique_ptr<BackendWeights> upload(const MoeLayer& layer, cudaStream_t stream) const override {
     return upload_sm90_prepacked(layer, stream);
   }
+  std::unique_ptr<BackendWeights> upload_into(const MoeLayer& layer, const WeightStorage& into,
+                                              cudaStream_t stream) const override {
+    return upload_sm90_prepacked(layer, stream, &into);
+  }
+  std::unique_ptr<BackendWeights> view(const MoeProblem& shape, const WeightStorage& at, const GlobalScales& scales,
+                                       cudaStream_t stream) const override {
+    return view_sm90_prepacked(shape, at, scales, stream);
+  }
+  void unprepack(const MoeProblem& shape, const HostPrepacked& in, const StackedNvfp4Buffers& out) const override {
+    unprepack_sm90(shape, in, out);
+  }
   void run(const MoePlan& plan, const BackendWeights& weights, const MoeRunArgs& args, cudaStream_t stream,
            const GatedTokens* gated) const override {
     // run() has checked that the weights are in weight_layout(), which only this type carries.

@@ -1,6 +1,7 @@
 // A layer's NVFP4 weights prepacked for the sm90 kernels (sm90_w4a16_prepack.h: the
 // checkpoint's bits, reshuffled) and uploaded once.
 #include <algorithm>
+#include <array>
 #include <exception>
 #include <thread>
 #include <vector>
@@ -10,6 +11,7 @@
 #include "backends/sm90_w4a16/sm90_w4a16_prepack.h"
 #include "megamoe/gpu.h"
 #include "megamoe/runtime.h"
+#include "megamoe/status.h"
 #include "runtime/sm90/sm90_moe_workspace.h"
 
 namespace megamoe::runtime {
@@ -17,47 +19,91 @@ namespace megamoe::runtime {
 using gpu::check_cuda;
 
 Sm90PrepackedWeights::~Sm90PrepackedWeights() {
-  for (void* ptr : {static_cast<void*>(w13_codes), static_cast<void*>(w13_scales), static_cast<void*>(w2_codes),
-                    static_cast<void*>(w2_scales), static_cast<void*>(s2)}) {
-    if (ptr) cudaFree(ptr);
+  if (!borrowed) {
+    for (void* ptr : {static_cast<void*>(w13_codes), static_cast<void*>(w13_scales), static_cast<void*>(w2_codes),
+                      static_cast<void*>(w2_scales)}) {
+      if (ptr) cudaFree(ptr);
+    }
   }
+  if (s2) cudaFree(s2);
 }
 
-std::unique_ptr<Sm90PrepackedWeights> upload_sm90_prepacked(const MoeLayer& layer, cudaStream_t stream) {
-  const MoeProblem shape = MoeProblem::from_layer(layer, 0);
-  const int64_t H = layer.hidden_size, I = layer.intermediate_size;
-  const int64_t E = layer.num_experts, EV = virtual_experts(shape);
+namespace {
 
+// Strides for a layer of `shape`; the code/scale buffers are allocated, or the caller's `at`.
+std::unique_ptr<Sm90PrepackedWeights> make_weights(const MoeProblem& shape, const WeightStorage* at) {
+  const int64_t H = shape.hidden_size, I = shape.intermediate_size, EV = virtual_experts(shape);
   auto out = std::make_unique<Sm90PrepackedWeights>();
   Sm90PrepackedWeights& w = *out;
   w.w13_code_stride = prepacked_code_bytes(2 * I, H);
   w.w13_scale_stride = prepacked_scale_bytes(2 * I, H);
   w.w2_code_stride = prepacked_code_bytes(H, I);
   w.w2_scale_stride = prepacked_scale_bytes(H, I);
-  auto alloc = [&](uint8_t** ptr, int64_t bytes) {
-    check_cuda(cudaMalloc(reinterpret_cast<void**>(ptr), static_cast<size_t>(bytes)), "cudaMalloc(weights)");
-    w.bytes += static_cast<size_t>(bytes);
-  };
-  alloc(&w.w13_codes, EV * w.w13_code_stride);
-  alloc(&w.w13_scales, EV * w.w13_scale_stride);
-  alloc(&w.w2_codes, EV * w.w2_code_stride);
-  alloc(&w.w2_scales, EV * w.w2_scale_stride);
+  if (at != nullptr) {
+    w.borrowed = true;
+    w.w13_codes = at->w13_codes;
+    w.w13_scales = at->w13_scales;
+    w.w2_codes = at->w2_codes;
+    w.w2_scales = at->w2_scales;
+  } else {
+    auto alloc = [&](uint8_t** ptr, int64_t bytes) {
+      check_cuda(cudaMalloc(reinterpret_cast<void**>(ptr), static_cast<size_t>(bytes)), "cudaMalloc(weights)");
+      w.bytes += static_cast<size_t>(bytes);
+    };
+    alloc(&w.w13_codes, EV * w.w13_code_stride);
+    alloc(&w.w13_scales, EV * w.w13_scale_stride);
+    alloc(&w.w2_codes, EV * w.w2_code_stride);
+    alloc(&w.w2_scales, EV * w.w2_scale_stride);
+  }
   check_cuda(cudaMalloc(reinterpret_cast<void**>(&w.s2), static_cast<size_t>(3 * EV) * sizeof(float)),
              "cudaMalloc(global scales)");
+  w.bytes += static_cast<size_t>(3 * EV) * sizeof(float);
+  return out;
+}
+
+// The kernels' [3][EV] global scales (gate, up, down); the shared expert's slices repeat its own.
+void upload_scales(Sm90PrepackedWeights& w, const MoeProblem& shape, const GlobalScales& scales, cudaStream_t stream) {
+  const int64_t E = shape.num_experts, EV = virtual_experts(shape);
+  std::vector<float> s2(static_cast<size_t>(3 * EV));
+  for (int64_t v = 0; v < EV; ++v) {
+    const std::array<float, 3>& g = v < E ? scales.routed[static_cast<size_t>(v)] : scales.shared;
+    for (int j = 0; j < 3; ++j) s2[static_cast<size_t>(j * EV + v)] = g[static_cast<size_t>(j)];
+  }
+  check_cuda(cudaMemcpyAsync(w.s2, s2.data(), s2.size() * sizeof(float), cudaMemcpyHostToDevice, stream),
+             "cudaMemcpyAsync(global scales)");
+  // A pageable-memory copy may return before its DMA reads `s2`.
+  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize(global scales)");
+}
+
+}  // namespace
+
+std::unique_ptr<Sm90PrepackedWeights> view_sm90_prepacked(const MoeProblem& shape, const WeightStorage& at,
+                                                          const GlobalScales& scales, cudaStream_t stream) {
+  auto out = make_weights(shape, &at);
+  upload_scales(*out, shape, scales, stream);
+  return out;
+}
+
+std::unique_ptr<Sm90PrepackedWeights> upload_sm90_prepacked(const MoeLayer& layer, cudaStream_t stream,
+                                                            const WeightStorage* into) {
+  const MoeProblem shape = MoeProblem::from_layer(layer, 0);
+  const int64_t I = layer.intermediate_size;
+  const int64_t E = layer.num_experts, EV = virtual_experts(shape);
+
+  auto out = make_weights(shape, into);
+  Sm90PrepackedWeights& w = *out;
 
   // Virtual expert v: a routed expert, or slice v - E of the shared expert.
   auto expert_of = [&](int64_t v) -> const ExpertWeights& {
     return v < E ? layer.experts[static_cast<size_t>(v)] : *layer.shared_expert;
   };
-  std::vector<float> s2(static_cast<size_t>(3 * EV));
-  for (int64_t v = 0; v < EV; ++v) {
-    const ExpertWeights& ex = expert_of(v);
-    s2[v] = ex.gate.weight_scale_2;
-    s2[EV + v] = ex.up.weight_scale_2;
-    s2[2 * EV + v] = ex.down.weight_scale_2;
-  }
-  check_cuda(cudaMemcpyAsync(w.s2, s2.data(), s2.size() * sizeof(float), cudaMemcpyHostToDevice, stream),
-             "cudaMemcpyAsync(global scales)");
+  auto triple = [](const ExpertWeights& ex) {
+    return std::array<float, 3>{ex.gate.weight_scale_2, ex.up.weight_scale_2, ex.down.weight_scale_2};
+  };
+  GlobalScales scales;
+  for (const ExpertWeights& ex : layer.experts) scales.routed.push_back(triple(ex));
+  if (layer.shared_expert) scales.shared = triple(*layer.shared_expert);
+  upload_scales(w, shape, scales, stream);
 
   // Prepack in batches of experts on all cores, upload each batch (bounded host memory).
   const int threads = std::max(1u, std::thread::hardware_concurrency());
@@ -112,6 +158,54 @@ std::unique_ptr<Sm90PrepackedWeights> upload_sm90_prepacked(const MoeLayer& laye
     check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize(weight upload)");
   }
   return out;
+}
+
+void unprepack_sm90(const MoeProblem& shape, const HostPrepacked& in, const StackedNvfp4Buffers& out) {
+  const int64_t H = shape.hidden_size, I = shape.intermediate_size, Is = shape.shared_intermediate_size;
+  const int64_t E = shape.num_experts, EV = virtual_experts(shape);
+  const int64_t c13 = prepacked_code_bytes(2 * I, H), s13 = prepacked_scale_bytes(2 * I, H);
+  const int64_t c2 = prepacked_code_bytes(H, I), sc2 = prepacked_scale_bytes(H, I);
+  MEGAMOE_CHECK(static_cast<int64_t>(in.w13_codes.size()) == EV * c13 &&
+                    static_cast<int64_t>(in.w13_scales.size()) == EV * s13 &&
+                    static_cast<int64_t>(in.w2_codes.size()) == EV * c2 &&
+                    static_cast<int64_t>(in.w2_scales.size()) == EV * sc2,
+                kInternal, "unprepack_sm90: the prepacked buffers do not match the layer's shape");
+  auto rows = [](int64_t n, int64_t k, uint8_t* codes, uint8_t* scales, int64_t row0) {
+    return Nvfp4Rows{n, k, codes + row0 * (k / 2), scales + row0 * (k / 16)};
+  };
+  auto one = [&](int64_t v) {
+    auto span = [](std::span<const uint8_t> all, int64_t stride, int64_t i) { return all.subspan(i * stride, stride); };
+    if (v < E) {
+      unprepack_w13(span(in.w13_codes, c13, v), span(in.w13_scales, s13, v), 0, I,
+                    rows(I, H, out.w13, out.w13_scale, 2 * v * I), rows(I, H, out.w13, out.w13_scale, 2 * v * I + I));
+      unprepack_w2(span(in.w2_codes, c2, v), span(in.w2_scales, sc2, v), 0, I, rows(H, I, out.w2, out.w2_scale, v * H));
+    } else {
+      const int64_t col0 = (v - E) * I;
+      unprepack_w13(span(in.w13_codes, c13, v), span(in.w13_scales, s13, v), col0, I,
+                    rows(Is, H, out.shared_w13, out.shared_w13_scale, 0),
+                    rows(Is, H, out.shared_w13, out.shared_w13_scale, Is));
+      unprepack_w2(span(in.w2_codes, c2, v), span(in.w2_scales, sc2, v), col0, I,
+                   rows(H, Is, out.shared_w2, out.shared_w2_scale, 0));
+    }
+  };
+  // Virtual experts write disjoint bytes of `out` (whole rows, or whole 16-column blocks of a shared row
+  // whose slices are multiples of 64 columns): one thread per expert at a time is race-free.
+  const int threads = static_cast<int>(std::min<int64_t>(EV, std::max(1u, std::thread::hardware_concurrency())));
+  std::vector<std::exception_ptr> errors(static_cast<size_t>(threads));
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      try {
+        for (int64_t v = t; v < EV; v += threads) one(v);
+      } catch (...) {
+        errors[static_cast<size_t>(t)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+  for (auto& err : errors) {
+    if (err) std::rethrow_exception(err);
+  }
 }
 
 }  // namespace megamoe::runtime

@@ -21,7 +21,8 @@ struct Sm90PrepackedWeights final : BackendWeights {
   uint8_t* w2_scales = nullptr;
   float* s2 = nullptr;  // [3][E']: gate, up, down
   int64_t w13_code_stride = 0, w13_scale_stride = 0, w2_code_stride = 0, w2_scale_stride = 0;
-  size_t bytes = 0;
+  size_t bytes = 0;      // device memory allocated here
+  bool borrowed = false;  // the four code/scale buffers are the caller's (upload_into, view)
 
   Sm90PrepackedWeights() = default;
   Sm90PrepackedWeights(const Sm90PrepackedWeights&) = delete;
@@ -29,9 +30,17 @@ struct Sm90PrepackedWeights final : BackendWeights {
   ~Sm90PrepackedWeights() override;
   const char* layout() const override { return kLayout; }
   size_t device_bytes() const override { return bytes; }
+  bool views_caller_memory() const override { return borrowed; }
 };
 
-// Prepacks on all host cores and copies on `stream`; returns once the copies have landed.
-std::unique_ptr<Sm90PrepackedWeights> upload_sm90_prepacked(const MoeLayer& layer, cudaStream_t stream);
+// Prepacks on all host cores and copies on `stream`, into new device memory or into `into`;
+// returns once the copies have landed.
+std::unique_ptr<Sm90PrepackedWeights> upload_sm90_prepacked(const MoeLayer& layer, cudaStream_t stream,
+                                                            const WeightStorage* into = nullptr);
+// A view of storage upload_sm90_prepacked has written for a layer of `shape`.
+std::unique_ptr<Sm90PrepackedWeights> view_sm90_prepacked(const MoeProblem& shape, const WeightStorage& at,
+                                                          const GlobalScales& scales, cudaStream_t stream);
+// The inverse of the prepack, host to host (MoeBackend::unprepack).
+void unprepack_sm90(const MoeProblem& shape, const HostPrepacked& in, const StackedNvfp4Buffers& out);
 
 }  // namespace megamoe::runtime
