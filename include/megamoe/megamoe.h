@@ -11,8 +11,8 @@
  *   - Structs passed in or out start with `struct_size`, set by the matching *_init function (or
  *     to sizeof of the struct as the caller compiled it). A newer library reads an older caller's
  *     shorter struct with defaults for the fields it lacks, and an older library accepts a newer
- *     caller's longer struct when the fields it does not know are all zero: fields are only ever
- *     appended, and zero always means "the default".
+ *     caller's longer struct when the fields it does not know are all zero: fields added later are
+ *     only appended, and take zero to mean their default.
  *   - Handles are opaque; *_destroy / *_close accept NULL. A handle may be used from several
  *     threads, but megamoe_layer_run calls on one layer that use its own workspace must be
  *     ordered (the same stream, or synchronised).
@@ -48,8 +48,13 @@ extern "C" {
 /* A cudaStream_t (NULL: the legacy default stream). */
 typedef struct CUstream_st* megamoe_stream;
 
-/* Values are fixed: new ones are only appended. */
-typedef enum megamoe_status {
+/* Values are fixed: new ones are only appended. (In C++ the type is int-based, so that any value a
+ * C caller passes, e.g. to megamoe_status_name, is a valid one.) */
+typedef enum megamoe_status
+#ifdef __cplusplus
+    : int
+#endif
+{
   MEGAMOE_OK = 0,
   MEGAMOE_ERROR_INVALID_ARGUMENT = 1,   /* a caller-supplied value is outside what is allowed */
   MEGAMOE_ERROR_INVALID_CHECKPOINT = 2, /* a file on disk is malformed, truncated or inconsistent */
@@ -76,8 +81,8 @@ MEGAMOE_API uint32_t megamoe_version(void);
 MEGAMOE_API const char* megamoe_version_string(void);
 /* "MEGAMOE_OK", "MEGAMOE_ERROR_INVALID_ARGUMENT", ...; "MEGAMOE_ERROR_UNKNOWN" for other values. */
 MEGAMOE_API const char* megamoe_status_name(megamoe_status status);
-/* The message of this thread's last failed call, "" if the last call succeeded. Valid until the
- * thread's next call into the library. Never NULL. */
+/* The message of this thread's last failed call, "" if its last call that returns a status
+ * succeeded. Valid until the thread's next such call. Never NULL. */
 MEGAMOE_API const char* megamoe_last_error(void);
 /* 1 when the library was built with the GPU runtime (CUDA), 0 for a CPU-only build, in which the
  * layer functions fail with MEGAMOE_ERROR_UNSUPPORTED after checking their arguments. */
@@ -272,7 +277,8 @@ MEGAMOE_API megamoe_status megamoe_run_args_init(megamoe_run_args* args);
 
 /* Runs the layer on `stream` (a stream of the layer's device). Arguments are checked on the host;
  * then it only launches: no allocation, no host synchronisation, CUDA-graph capturable. hidden and
- * the output must be 16-byte aligned. Runs on the layer's device whatever the calling thread's
+ * the output must be 16-byte aligned. T = 0 (an empty batch) launches nothing; its pointers may be
+ * NULL. Runs on the layer's device whatever the calling thread's
  * current device (which it leaves as it found it). */
 MEGAMOE_API megamoe_status megamoe_layer_run(megamoe_layer* layer, const megamoe_run_args* args,
                                              megamoe_stream stream);

@@ -85,11 +85,18 @@ void check_not_null(const T* p, const char* what) {
 // are only appended (after the current sizeof, padding included) and take zero to mean their
 // default, so a shorter struct gets zeros for what it lacks, and the bytes of a longer one past
 // what this library knows must be zero: a field set there would otherwise be silently ignored.
+// A struct_size past this is garbage (an uninitialised struct), not a newer version: refusing it
+// keeps the check below from reading past the caller's struct.
+constexpr uint32_t kMaxStructSize = 16384;
+
 template <typename S>
 S read_versioned(const S* in, const char* type) {
   const uint32_t size = in->struct_size;
   MEGAMOE_CHECK(size != 0, kInvalidArgument, type, ".struct_size is 0: initialise the struct with ",
                 type, "_init (or set struct_size to sizeof(", type, ")).");
+  MEGAMOE_CHECK(size <= kMaxStructSize, kInvalidArgument, type, ".struct_size is ", size,
+                ", more than any version of it can have (", kMaxStructSize, "): initialise it with ",
+                type, "_init.");
   MEGAMOE_CHECK(size >= sizeof(S), kInvalidArgument, type, ".struct_size is ", size,
                 ", smaller than the ", sizeof(S), " bytes of its first version: initialise it with ",
                 type, "_init.");
@@ -202,6 +209,10 @@ void check_tensor(const megamoe_tensor& t, const char* name, Kind kind,
 
 bool absent(const megamoe_tensor& t) { return t.data == nullptr; }
 
+// The loader's bound on H and I (README "Malformed input"): every size derived from them then
+// fits int64.
+constexpr int64_t kMaxSize = int64_t{1} << 24;
+
 StackedLayer read_stacked(const megamoe_stacked_layer* in) {
   check_not_null(in, "weights");
   const megamoe_stacked_layer w = read_versioned(in, "megamoe_stacked_layer");
@@ -218,10 +229,11 @@ StackedLayer read_stacked(const megamoe_stacked_layer* in) {
   const int64_t E = s.num_experts, H = s.hidden_size, I = s.intermediate_size;
   MEGAMOE_CHECK(E >= 1 && E <= 1024, kInvalidArgument, "w13.shape[0] = ", E,
                 " routed experts; allowed: 1..1024.");
-  MEGAMOE_CHECK(H >= 16 && H % 16 == 0, kInvalidArgument, "the hidden size H = w2.shape[1] = ", H,
-                " must be a positive multiple of 16 (one ue4m3 block scale per 16 elements).");
-  MEGAMOE_CHECK(I >= 16 && I % 16 == 0, kInvalidArgument, "the intermediate size I = w13.shape[1] / 2 = ", I,
-                " must be a positive multiple of 16 (one ue4m3 block scale per 16 elements).");
+  MEGAMOE_CHECK(H >= 16 && H % 16 == 0 && H <= kMaxSize, kInvalidArgument, "the hidden size H = w2.shape[1] = ",
+                H, " must be a positive multiple of 16 (one ue4m3 block scale per 16 elements), at most 2^24.");
+  MEGAMOE_CHECK(I >= 16 && I % 16 == 0 && I <= kMaxSize, kInvalidArgument,
+                "the intermediate size I = w13.shape[1] / 2 = ", I,
+                " must be a positive multiple of 16 (one ue4m3 block scale per 16 elements), at most 2^24.");
   check_tensor(w.w13, "w13", Kind::kCodes, {E, 2 * I, H / 2}, "[E, 2I, H/2]");
   check_tensor(w.w13_scale, "w13_scale", Kind::kScales, {E, 2 * I, H / 16}, "[E, 2I, H/16]");
   check_tensor(w.w13_scale_2, "w13_scale_2", Kind::kGlobalScales, {E, 2}, "[E, 2]");
@@ -250,8 +262,9 @@ StackedLayer read_stacked(const megamoe_stacked_layer* in) {
                   shape_text(w.shared_w13.shape, std::clamp(w.shared_w13.ndim, 0, MEGAMOE_MAX_DIMS)),
                   "; expected [2Is, H/2] (rows: gate then up).");
     const int64_t Is = w.shared_w13.shape[0] / 2;
-    MEGAMOE_CHECK(Is >= 16 && Is % 16 == 0, kInvalidArgument, "the shared expert's intermediate size "
-                  "Is = shared_w13.shape[0] / 2 = ", Is, " must be a positive multiple of 16.");
+    MEGAMOE_CHECK(Is >= 16 && Is % 16 == 0 && Is <= kMaxSize, kInvalidArgument, "the shared expert's "
+                  "intermediate size Is = shared_w13.shape[0] / 2 = ", Is,
+                  " must be a positive multiple of 16, at most 2^24.");
     s.shared_intermediate_size = Is;
     check_tensor(w.shared_w13, "shared_w13", Kind::kCodes, {2 * Is, H / 2}, "[2Is, H/2]");
     check_tensor(w.shared_w13_scale, "shared_w13_scale", Kind::kScales, {2 * Is, H / 16}, "[2Is, H/16]");

@@ -229,6 +229,8 @@ void run_layer(megamoe_layer& layer, const RunArgs& a, megamoe_stream stream) {
   const MoeProblem& p = layer.plan.problem();
   MEGAMOE_CHECK(a.tokens >= 0 && a.tokens <= p.max_tokens, kInvalidArgument, "args.tokens is ", a.tokens,
                 "; it must be in 0..max_tokens = ", p.max_tokens, " (options.max_tokens at creation).");
+  // An empty batch launches nothing, as run() does; its pointers may be NULL.
+  if (a.tokens == 0) return;
   const bool given_topk = a.topk_ids != nullptr || a.topk_weights != nullptr;
   if (a.router_logits) {
     MEGAMOE_CHECK(!given_topk, kInvalidArgument, "args gives both router_logits and topk_ids/topk_weights; "

@@ -217,6 +217,8 @@ static void test_layer_options(const char* dir, megamoe_checkpoint* ckpt) {
   EXPECT(megamoe_layer_create(ckpt, 0, &o, &layer), MEGAMOE_ERROR_INVALID_ARGUMENT, "megamoe_layer_options_init");
   o.struct_size = 4;
   EXPECT(megamoe_layer_create(ckpt, 0, &o, &layer), MEGAMOE_ERROR_INVALID_ARGUMENT, "struct_size is 4");
+  o.struct_size = 0xABABABABu; /* an uninitialised struct: refused without reading past it */
+  EXPECT(megamoe_layer_create(ckpt, 0, &o, &layer), MEGAMOE_ERROR_INVALID_ARGUMENT, "more than any version");
   o.struct_size = sizeof o;
   o.device = -1;
   EXPECT(megamoe_layer_create(ckpt, 0, &o, &layer), MEGAMOE_ERROR_INVALID_ARGUMENT, "options.device is -1");
@@ -352,6 +354,9 @@ static void test_stacked(int layers_possible) {
   s = good_stacked();
   s.w2.shape[1] = 100;
   EXPECT(megamoe_layer_create_stacked(&s, &o, NULL, &layer), MEGAMOE_ERROR_INVALID_ARGUMENT, "H = w2.shape[1] = 100");
+  s = good_stacked();
+  s.w2.shape[1] = (int64_t)1 << 40;
+  EXPECT(megamoe_layer_create_stacked(&s, &o, NULL, &layer), MEGAMOE_ERROR_INVALID_ARGUMENT, "at most 2^24");
   s = good_stacked();
   s.w13.shape[0] = 0;
   EXPECT(megamoe_layer_create_stacked(&s, &o, NULL, &layer), MEGAMOE_ERROR_INVALID_ARGUMENT, "w13.shape[0] = 0");
@@ -497,6 +502,8 @@ static void test_layer_arguments(const char* dir) {
   CHECK(strlen(text) == sizeof text - 1 && strncmp(text, "T=1 ", 4) == 0);
 
   EXPECT(megamoe_layer_run(layer, NULL, NULL), MEGAMOE_ERROR_INVALID_ARGUMENT, "args is NULL");
+  megamoe_run_args_init(&a);
+  EXPECT(megamoe_layer_run(layer, &a, NULL), MEGAMOE_OK, NULL); /* T = 0: nothing to do, no pointers */
   memset(&a, 0, sizeof a);
   EXPECT(megamoe_layer_run(layer, &a, NULL), MEGAMOE_ERROR_INVALID_ARGUMENT, "megamoe_run_args_init");
   megamoe_run_args_init(&a);
