@@ -205,7 +205,14 @@ typedef struct megamoe_routing {
  * and the optional shared expert (every token, weight 1; Is its intermediate size; data NULL in
  * shared_w13 means none): shared_w13 [2Is, H/2], shared_w13_scale [2Is, H/16],
  * shared_w13_scale_2 [2], shared_w2 [H, Is/2], shared_w2_scale [H, Is/16], shared_w2_scale_2 [1].
- * The tensors are copied at creation: the caller's buffers may be freed afterwards. */
+ * By default the tensors are copied at creation: the caller's buffers may be freed afterwards.
+ * With in_place = 1 the layer holds no second copy: after every scale is checked (a refused layer
+ * is left as it was), the prepacked layout overwrites w13, w13_scale, w2 and w2_scale (and the
+ * shared expert's; ModelOpt's all-zero weights get global scale 1 in w13_scale_2 / w2_scale_2),
+ * and the layer reads them there: keep them allocated and unchanged until the layer is destroyed
+ * (the tensors no longer hold the checkpoint layout). With a shared expert, each of its code and
+ * scale tensors must follow the routed one in the same allocation (shared_w13.data == w13.data +
+ * w13's bytes, and likewise for w13_scale, w2, w2_scale). */
 typedef struct megamoe_stacked_layer {
   uint32_t struct_size; /* sizeof(megamoe_stacked_layer) */
   megamoe_tensor w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2;
@@ -215,6 +222,7 @@ typedef struct megamoe_stacked_layer {
   int32_t has_swiglu_limit; /* 1: clamp gate <= limit, |up| <= limit before SwiGLU */
   float swiglu_limit;
   megamoe_routing routing;
+  int32_t in_place; /* 1: prepack the tensors in place and read them there (default 0: copy) */
 } megamoe_stacked_layer;
 
 /* Sets struct_size and the defaults (no tensors, routing NONE); top_k must still be set. */

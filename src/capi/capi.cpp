@@ -285,6 +285,9 @@ StackedLayer read_stacked(const megamoe_stacked_layer* in) {
   s.top_k = w.top_k;
   MEGAMOE_CHECK(w.has_swiglu_limit == 0 || w.has_swiglu_limit == 1, kInvalidArgument,
                 "has_swiglu_limit is ", w.has_swiglu_limit, "; it must be 0 or 1.");
+  MEGAMOE_CHECK(w.in_place == 0 || w.in_place == 1, kInvalidArgument, "in_place is ", w.in_place,
+                "; it must be 0 or 1.");
+  s.in_place = w.in_place == 1;
   if (w.has_swiglu_limit) {
     MEGAMOE_CHECK(std::isfinite(w.swiglu_limit) && w.swiglu_limit > 0, kInvalidArgument,
                   "swiglu_limit is ", w.swiglu_limit, "; it must be finite and > 0.");

@@ -35,6 +35,7 @@ struct StackedLayer {
   std::optional<float> swiglu_limit;
   std::optional<RoutingConfig> routing;  // none: runs pass top-k ids
   const float* correction_bias = nullptr;
+  bool in_place = false;  // prepack the caller's tensors in place (their memory is writable)
 };
 
 // megamoe_run_args, read (struct_size checked).

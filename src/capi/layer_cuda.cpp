@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "capi/capi_internal.h"
@@ -140,24 +141,28 @@ megamoe_layer* create_layer_stacked(const StackedLayer& s, const LayerOptions& o
   problem.precision = options.precision;
   // The plan first: it refuses shapes the kernels cannot run before anything is copied.
   MoePlan plan = MoePlan::create(problem);
-  StackedNvfp4Weights w;
-  w.hidden_size = s.hidden_size;
-  w.intermediate_size = s.intermediate_size;
-  w.num_experts = s.num_experts;
-  w.w13 = s.w13;
-  w.w13_scale = s.w13_scale;
-  w.w13_scale_2 = s.w13_scale_2;
-  w.w2 = s.w2;
-  w.w2_scale = s.w2_scale;
-  w.w2_scale_2 = s.w2_scale_2;
-  w.shared_intermediate_size = s.shared_intermediate_size;
-  w.shared_w13 = s.shared_w13;
-  w.shared_w13_scale = s.shared_w13_scale;
-  w.shared_w13_scale_2 = s.shared_w13_scale_2;
-  w.shared_w2 = s.shared_w2;
-  w.shared_w2_scale = s.shared_w2_scale;
-  w.shared_w2_scale_2 = s.shared_w2_scale_2;
-  MoeDeviceWeights weights = MoeDeviceWeights::from_stacked(w, stream);
+  // The C descriptors carry const pointers; in place, the caller has said the memory is theirs
+  // to rewrite (megamoe_stacked_layer.in_place).
+  auto rw = [](const auto* p) { return const_cast<std::remove_const_t<std::remove_pointer_t<decltype(p)>>*>(p); };
+  StackedNvfp4Buffers b;
+  b.hidden_size = s.hidden_size;
+  b.intermediate_size = s.intermediate_size;
+  b.num_experts = s.num_experts;
+  b.w13 = rw(s.w13);
+  b.w13_scale = rw(s.w13_scale);
+  b.w13_scale_2 = rw(s.w13_scale_2);
+  b.w2 = rw(s.w2);
+  b.w2_scale = rw(s.w2_scale);
+  b.w2_scale_2 = rw(s.w2_scale_2);
+  b.shared_intermediate_size = s.shared_intermediate_size;
+  b.shared_w13 = rw(s.shared_w13);
+  b.shared_w13_scale = rw(s.shared_w13_scale);
+  b.shared_w13_scale_2 = rw(s.shared_w13_scale_2);
+  b.shared_w2 = rw(s.shared_w2);
+  b.shared_w2_scale = rw(s.shared_w2_scale);
+  b.shared_w2_scale_2 = rw(s.shared_w2_scale_2);
+  MoeDeviceWeights weights = s.in_place ? MoeDeviceWeights::prepack_in_place(b, stream)
+                                        : MoeDeviceWeights::from_stacked(b.as_const(), stream);
   std::optional<RoutingConfig> routing = s.routing;
   if (routing) routing->top_k = s.top_k;
   auto out = std::make_unique<megamoe_layer>(options, std::move(plan), std::move(weights), routing);

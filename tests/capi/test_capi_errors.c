@@ -411,6 +411,11 @@ static void test_stacked(int layers_possible) {
   EXPECT(megamoe_layer_create_stacked(&s, &o, NULL, &layer), MEGAMOE_ERROR_INVALID_ARGUMENT, "swiglu_limit is -1");
 
   s = good_stacked();
+  s.in_place = 2;
+  EXPECT(megamoe_layer_create_stacked(&s, &o, NULL, &layer), MEGAMOE_ERROR_INVALID_ARGUMENT,
+         "in_place is 2; it must be 0 or 1");
+
+  s = good_stacked();
   s.routing.kind = 5;
   EXPECT(megamoe_layer_create_stacked(&s, &o, NULL, &layer), MEGAMOE_ERROR_INVALID_ARGUMENT, "routing.kind is 5");
   s.routing.kind = MEGAMOE_ROUTING_SOFTMAX_TOPK;

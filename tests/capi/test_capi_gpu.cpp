@@ -40,9 +40,11 @@ const int64_t kTokens[] = {1, 17, 1000};
 
 #define ASSERT_C_OK(call) ASSERT_EQ((call), MEGAMOE_OK) << #call << ": " << megamoe_last_error()
 
-// The layer's stacked tensors on the device (w13 = gate rows then up rows per expert).
+// The layer's stacked tensors on the device (w13 = gate rows then up rows per expert). `joint`:
+// each of the shared expert's code and scale tensors follows the routed one in one allocation, as
+// in_place needs them.
 struct DeviceStacked {
-  explicit DeviceStacked(const MoeLayer& layer) {
+  explicit DeviceStacked(const MoeLayer& layer, bool joint = false) {
     const int64_t H = layer.hidden_size;
     std::vector<uint8_t> w13, w13_scale, w2, w2_scale, s_w13, s_w13_scale, s_w2, s_w2_scale;
     std::vector<float> w13_scale_2, w2_scale_2, s_w13_scale_2, s_w2_scale_2;
@@ -67,15 +69,30 @@ struct DeviceStacked {
     s_w13_scale_2 = {s.gate.weight_scale_2, s.up.weight_scale_2};
     s_w2_scale_2 = {s.down.weight_scale_2};
     bytes.reserve(8);
-    for (auto* v : {&w13, &w13_scale, &w2, &w2_scale, &s_w13, &s_w13_scale, &s_w2, &s_w2_scale}) {
-      bytes.push_back(std::make_unique<DeviceBuffer<uint8_t>>(*v));
+    if (joint) {
+      std::vector<uint8_t>* routed[] = {&w13, &w13_scale, &w2, &w2_scale};
+      std::vector<uint8_t>* shared[] = {&s_w13, &s_w13_scale, &s_w2, &s_w2_scale};
+      for (int i = 0; i < 4; ++i) {
+        std::vector<uint8_t> both = *routed[i];
+        both.insert(both.end(), shared[i]->begin(), shared[i]->end());
+        bytes.push_back(std::make_unique<DeviceBuffer<uint8_t>>(both));
+        ptr[i] = bytes.back()->get();
+        ptr[4 + i] = ptr[i] + routed[i]->size();
+      }
+    } else {
+      int i = 0;
+      for (auto* v : {&w13, &w13_scale, &w2, &w2_scale, &s_w13, &s_w13_scale, &s_w2, &s_w2_scale}) {
+        bytes.push_back(std::make_unique<DeviceBuffer<uint8_t>>(*v));
+        ptr[i++] = bytes.back()->get();
+      }
     }
     for (auto* v : {&w13_scale_2, &w2_scale_2, &s_w13_scale_2, &s_w2_scale_2}) {
       floats.push_back(std::make_unique<DeviceBuffer<float>>(*v));
     }
     floats.push_back(std::make_unique<DeviceBuffer<float>>(layer.e_score_correction_bias));
   }
-  std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> bytes;  // w13, w13_scale, w2, w2_scale, shared's
+  std::vector<std::unique_ptr<DeviceBuffer<uint8_t>>> bytes;
+  uint8_t* ptr[8] = {};  // w13, w13_scale, w2, w2_scale, then the shared expert's
   std::vector<std::unique_ptr<DeviceBuffer<float>>> floats;   // w13_scale_2, w2_scale_2, shared's, bias
 };
 
@@ -259,21 +276,20 @@ TEST_F(CapiGpu, CheckpointLayerEqualsTheCxxPathBitwise) {
   ASSERT_C_OK(megamoe_layer_destroy(layer));
 }
 
-TEST_F(CapiGpu, StackedLayerWithAnExternalWorkspaceEqualsTheCxxPathBitwise) {
-  const MoeLayer& L = *shared_->layer;
+// The stacked layer's descriptor over `dev`, routed as the synthesized layer.
+megamoe_stacked_layer stacked_of(const MoeLayer& L, const DeviceStacked& dev) {
   const int64_t E = L.num_experts, H = L.hidden_size, I = L.intermediate_size;
   const int64_t Is = L.shared_expert->intermediate_size();
-  const DeviceStacked dev(L);
   megamoe_stacked_layer s;
-  ASSERT_C_OK(megamoe_stacked_layer_init(&s));
-  s.w13 = tensor(dev.bytes[0]->get(), MEGAMOE_DTYPE_U8, {E, 2 * I, H / 2});
-  s.w13_scale = tensor(dev.bytes[1]->get(), MEGAMOE_DTYPE_F8_E4M3, {E, 2 * I, H / 16});
-  s.w2 = tensor(dev.bytes[2]->get(), MEGAMOE_DTYPE_U8, {E, H, I / 2});
-  s.w2_scale = tensor(dev.bytes[3]->get(), MEGAMOE_DTYPE_F8_E4M3, {E, H, I / 16});
-  s.shared_w13 = tensor(dev.bytes[4]->get(), MEGAMOE_DTYPE_U8, {2 * Is, H / 2});
-  s.shared_w13_scale = tensor(dev.bytes[5]->get(), MEGAMOE_DTYPE_U8, {2 * Is, H / 16});
-  s.shared_w2 = tensor(dev.bytes[6]->get(), MEGAMOE_DTYPE_U8, {H, Is / 2});
-  s.shared_w2_scale = tensor(dev.bytes[7]->get(), MEGAMOE_DTYPE_U8, {H, Is / 16});
+  megamoe_stacked_layer_init(&s);
+  s.w13 = tensor(dev.ptr[0], MEGAMOE_DTYPE_U8, {E, 2 * I, H / 2});
+  s.w13_scale = tensor(dev.ptr[1], MEGAMOE_DTYPE_F8_E4M3, {E, 2 * I, H / 16});
+  s.w2 = tensor(dev.ptr[2], MEGAMOE_DTYPE_U8, {E, H, I / 2});
+  s.w2_scale = tensor(dev.ptr[3], MEGAMOE_DTYPE_F8_E4M3, {E, H, I / 16});
+  s.shared_w13 = tensor(dev.ptr[4], MEGAMOE_DTYPE_U8, {2 * Is, H / 2});
+  s.shared_w13_scale = tensor(dev.ptr[5], MEGAMOE_DTYPE_U8, {2 * Is, H / 16});
+  s.shared_w2 = tensor(dev.ptr[6], MEGAMOE_DTYPE_U8, {H, Is / 2});
+  s.shared_w2_scale = tensor(dev.ptr[7], MEGAMOE_DTYPE_U8, {H, Is / 16});
   s.w13_scale_2 = tensor(dev.floats[0]->get(), MEGAMOE_DTYPE_F32, {E, 2});
   s.w2_scale_2 = tensor(dev.floats[1]->get(), MEGAMOE_DTYPE_F32, {E});
   s.shared_w13_scale_2 = tensor(dev.floats[2]->get(), MEGAMOE_DTYPE_F32, {2});
@@ -285,6 +301,13 @@ TEST_F(CapiGpu, StackedLayerWithAnExternalWorkspaceEqualsTheCxxPathBitwise) {
   s.routing.topk_group = L.routing.topk_group;
   s.routing.routed_scaling_factor = L.routing.routed_scaling_factor;
   s.routing.correction_bias = tensor(dev.floats[4]->get(), MEGAMOE_DTYPE_F32, {E});
+  return s;
+}
+
+TEST_F(CapiGpu, StackedLayerWithAnExternalWorkspaceEqualsTheCxxPathBitwise) {
+  const MoeLayer& L = *shared_->layer;
+  const DeviceStacked dev(L);
+  const megamoe_stacked_layer s = stacked_of(L, dev);
   megamoe_layer_options o = options();
   o.external_workspace = 1;
   megamoe_layer* layer = nullptr;
@@ -299,6 +322,34 @@ TEST_F(CapiGpu, StackedLayerWithAnExternalWorkspaceEqualsTheCxxPathBitwise) {
         << "top-k given";
     EXPECT_EQ(mismatches(c_run(layer, in, true, workspace.get(), bytes), shared_->cxx_run(in, true)), 0u)
         << "router logits";
+  }
+  ASSERT_C_OK(megamoe_layer_destroy(layer));
+}
+
+// in_place: the layer reads the caller's tensors, rewritten, and runs as the C++ path does. The
+// shared expert in its own allocations is refused, naming the rule.
+TEST_F(CapiGpu, StackedLayerInPlaceEqualsTheCxxPathBitwise) {
+  const MoeLayer& L = *shared_->layer;
+  const megamoe_layer_options o = options();
+  megamoe_layer* layer = nullptr;
+  {
+    const DeviceStacked apart(L);
+    megamoe_stacked_layer s = stacked_of(L, apart);
+    s.in_place = 1;
+    EXPECT_EQ(megamoe_layer_create_stacked(&s, &o, shared_->stream, &layer), MEGAMOE_ERROR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(megamoe_last_error()).find("shared_w13 must start where w13 ends"), std::string::npos)
+        << megamoe_last_error();
+  }
+  const DeviceStacked dev(L, /*joint=*/true);
+  megamoe_stacked_layer s = stacked_of(L, dev);
+  s.in_place = 1;
+  const std::vector<uint8_t> before = dev.bytes[0]->download();
+  ASSERT_C_OK(megamoe_layer_create_stacked(&s, &o, shared_->stream, &layer));
+  EXPECT_NE(dev.bytes[0]->download(), before) << "w13 was not rewritten in place";
+  for (const int64_t T : kTokens) {
+    SCOPED_TRACE(::testing::Message() << "T=" << T);
+    const Inputs in(L, T);
+    EXPECT_EQ(mismatches(c_run(layer, in, true, nullptr, 0), shared_->cxx_run(in, true)), 0u);
   }
   ASSERT_C_OK(megamoe_layer_destroy(layer));
 }
