@@ -27,6 +27,7 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "megamoe/moe.h"
@@ -129,6 +130,23 @@ class EpGroup {
   std::shared_ptr<Impl> impl_;
 };
 
+// A rank's weights already on the device, for a layer that holds them once: `routed` its experts
+// (E/R of them, renumbered from 0, no shared expert), `shared` the shared expert as a one-expert
+// layer of its own intermediate size, or none. E.g. MoeDeviceWeights::prepack_in_place of the
+// rank's slice of an engine's tensors.
+struct EpLocalWeights {
+  MoeDeviceWeights routed;
+  std::optional<MoeDeviceWeights> shared;
+};
+
+// What a layer over EpLocalWeights is, beyond the weights' shapes.
+struct EpLayerOptions {
+  int64_t num_experts = 0;  // the global E
+  int top_k = 0;
+  std::optional<float> swiglu_limit;
+  bool deterministic = false;
+};
+
 // One rank of an expert-parallel MoE layer: its communicator, its symmetric buffers, its experts'
 // prepacked weights and every workspace, all made at create() (collective: every rank calls it,
 // with the same id and problem). Not copyable; destroy it on every rank.
@@ -147,6 +165,11 @@ class MoeEpLayer {
   // single-GPU layer.
   static MoeEpLayer create(const MoeLayer& local_layer, int64_t num_experts, const EpConfig& config,
                            const EpLoopback& loopback, bool deterministic = false);
+  // Over weights the rank already holds (moved in; if they view the caller's memory, keep it
+  // alive while the layer is): nothing is uploaded. Not at world size 1 with a shared expert (the
+  // single-GPU layer's weights hold both: use run() there). Throws megamoe::Error as above, or
+  // (kInvalidArgument) where the weights do not fit the rank's range or each other.
+  static MoeEpLayer create(EpLocalWeights weights, const EpLayerOptions& options, const EpGroup& group);
   MoeEpLayer(MoeEpLayer&&) noexcept;
   MoeEpLayer& operator=(MoeEpLayer&&) noexcept;
   ~MoeEpLayer();
@@ -186,6 +209,8 @@ class MoeEpLayer {
   MoeEpLayer();
   std::unique_ptr<Impl> impl_;
   void run_stages(const MoeRunArgs& args, cudaStream_t stream, const StageEvents* stages);
+  struct Shape;
+  static MoeEpLayer make(const EpGroup& group, const Shape& shape, bool deterministic);
 };
 
 }  // namespace megamoe

@@ -136,7 +136,8 @@ class MoeDeviceWeights {
                                            cudaStream_t stream = nullptr);
   // Weights viewing tensors that prepack_in_place has already rewritten on a device of the same
   // layout (another plan over the same layer, or tensors moved since): copies only the global
-  // scales, checks nothing of the bytes. Synchronises the device.
+  // scales (checked: finite, > 0), checks nothing of the codes and block scales. Synchronises the
+  // device.
   static MoeDeviceWeights view_prepacked(const StackedNvfp4Weights& prepacked,
                                          cudaStream_t stream = nullptr);
   MoeDeviceWeights(MoeDeviceWeights&&) noexcept;

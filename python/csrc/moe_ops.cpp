@@ -80,11 +80,13 @@ int64_t prepare(const char* op, Source source, const Stacked& s, int64_t top_k, 
   const c10::cuda::CUDAGuard guard(L.device);
   MoePlan plan = MoePlan::create(problem);
   const cudaStream_t stream = current_stream(L.device);
+  // Allocated first: nothing after an in-place rewrite may fail but the rewrite itself.
+  const int64_t ws_bytes = std::max<int64_t>(static_cast<int64_t>(plan.workspace_bytes()), 256);
+  at::Tensor workspace = at::empty({ws_bytes}, at::TensorOptions().dtype(at::kByte).device(L.device));
   MoeDeviceWeights weights = source == Source::kCopy      ? MoeDeviceWeights::from_stacked(device_view(s, L), stream)
                              : source == Source::kInPlace ? MoeDeviceWeights::prepack_in_place(writable_view(s, L), stream)
                                                           : MoeDeviceWeights::view_prepacked(device_view(s, L), stream);
-  const int64_t ws_bytes = std::max<int64_t>(static_cast<int64_t>(plan.workspace_bytes()), 256);
-  at::Tensor workspace = at::empty({ws_bytes}, at::TensorOptions().dtype(at::kByte).device(L.device));
+  if (source == Source::kInPlace) mark_written(s.present());
   // Taken after an in-place rewrite: the fused op compares against the tensors as they are now.
   std::vector<Fingerprint> sources;
   for (const auto& [name, t] : s.present()) sources.push_back(Fingerprint::of(name, t));
@@ -152,6 +154,7 @@ std::vector<at::Tensor> unprepack(const char* op, const std::string& layout, con
   const cudaStream_t stream = L.device.is_cuda() ? current_stream(L.device) : nullptr;
   if (in_place) {
     unprepack_stacked(layout, device_view(s, L), writable_view(s, L), stream);
+    mark_written(s.present());
     return {};
   }
   std::vector<at::Tensor> out;
@@ -238,26 +241,7 @@ std::string moe_describe(int64_t handle, int64_t tokens) {
 // The source tensors and options of the call must be those the handle was prepared with.
 void check_same_layer(const PreparedMoe& p, const Stacked& s, std::optional<double> swiglu_limit,
                       bool deterministic, int64_t handle) {
-  const auto given = s.present();
-  TORCH_CHECK_VALUE(given.size() == p.sources.size(), "megamoe.", kFused, ": handle ", handle,
-                    " was prepared ", p.sources.size() > 6 ? "with" : "without",
-                    " a shared expert, but the call passes ", given.size() > 6 ? "one" : "none",
-                    ".");
-  for (size_t i = 0; i < given.size(); ++i) {
-    const Fingerprint now = Fingerprint::of(given[i].first, given[i].second);
-    const Fingerprint& then = p.sources[i];
-    const char* why = nullptr;
-    if (now.data != then.data || now.dtype != then.dtype) {
-      why = "is not the tensor the handle was prepared from";
-    } else if (now.sizes != then.sizes) {
-      why = "has changed shape since the handle was prepared";
-    } else if (now.version != then.version) {
-      why = "was modified in place since the handle was prepared";
-    }
-    TORCH_CHECK_VALUE(why == nullptr, "megamoe.", kFused, ": ", now.name, " ", why, " (handle ",
-                      handle, "); the prepacked copy would be stale. Prepare again after changing "
-                      "weights (megamoe.moe_prepare, or NVFP4MoE.prepare()).");
-  }
+  check_fingerprints(kFused, handle, p.sources, s.present());
   const MoeProblem& pr = p.plan.problem();
   const std::optional<float> limit =
       swiglu_limit ? std::optional<float>(static_cast<float>(*swiglu_limit)) : std::nullopt;

@@ -90,6 +90,40 @@ TORCH_LIBRARY(megamoe, m) {
   // the host.
   m.def("dequantize_nvfp4(Tensor weight, Tensor weight_scale, Tensor weight_scale_2) -> Tensor");
 
+  // Expert parallelism (include/megamoe/ep.h; docs/python.md). ep_unique_id: a new NCCL
+  // communicator id as hex (rank 0 makes it, every rank is given it). ep_loopback_create: R virtual
+  // ranks on SM partitions of one GPU, for tests; ep_loopback_stream: rank r's stream (an int for
+  // torch.cuda.ExternalStream) and its SM count. ep_group_create: this rank's endpoint (a
+  // communicator over the id, or rank `rank` of loopback handle `loopback` > 0), one window for
+  // every layer up to hidden_size and top_k. ep_prepare: a layer of the group over the rank's
+  // experts (w13 [E/R, 2I, H/2] ..., experts [r·E/R, (r+1)·E/R) of the global num_experts) and the
+  // shared expert, rewritten in place as moe_prepare_in_place does (or, with `prepacked`, already
+  // rewritten). fused_moe_nvfp4_ep: the rank's tokens [T, H] with global top-k ids -> [T, H] bf16;
+  // every rank calls it the same number of times, T <= max_tokens_per_rank; with check_ids it
+  // synchronises, raises RuntimeError for a failed exchange and IndexError for ids outside [0, E).
+  // ep_release / ep_describe take kind "layer", "group" or "loopback".
+  m.def("ep_unique_id() -> str");
+  m.def("ep_loopback_create(int world_size, Device device) -> int");
+  m.def("ep_loopback_stream(int loopback, int rank) -> (int, int)");
+  m.def(
+      "ep_group_create(str unique_id, int rank, int world_size, Device device, int max_tokens_per_rank, "
+      "int hidden_size, int top_k, float timeout_seconds=60.0, str precision=\"w4a16\", "
+      "int loopback=0) -> int");
+  m.def(
+      "ep_prepare(int group, Tensor(a!) w13, Tensor(b!) w13_scale, Tensor(c!) w13_scale_2, Tensor(d!) w2, "
+      "Tensor(e!) w2_scale, Tensor(f!) w2_scale_2, *, Tensor(g!)? shared_w13=None, "
+      "Tensor(h!)? shared_w13_scale=None, Tensor(i!)? shared_w13_scale_2=None, Tensor(j!)? shared_w2=None, "
+      "Tensor(k!)? shared_w2_scale=None, Tensor(l!)? shared_w2_scale_2=None, int num_experts, int top_k, "
+      "float? swiglu_limit=None, bool deterministic=False, bool prepacked=False) -> int");
+  m.def(
+      "fused_moe_nvfp4_ep(Tensor hidden, Tensor w13, Tensor w13_scale, Tensor w13_scale_2, Tensor w2, "
+      "Tensor w2_scale, Tensor w2_scale_2, Tensor topk_weights, Tensor topk_ids, *, int handle, "
+      "Tensor? shared_w13=None, Tensor? shared_w13_scale=None, Tensor? shared_w13_scale_2=None, "
+      "Tensor? shared_w2=None, Tensor? shared_w2_scale=None, Tensor? shared_w2_scale_2=None, "
+      "bool check_ids=True) -> Tensor");
+  m.def("ep_release(int handle, str kind) -> ()");
+  m.def("ep_describe(int handle, str kind) -> str");
+
   // Loads model.layers.{layer}.mlp of the ModelOpt or compressed-tensors checkpoint in `path`
   // (config.json + safetensors) into stacked CPU tensors, bit for bit. Returns a JSON description
   // (shapes, routing, tensor names in order) and the tensors.

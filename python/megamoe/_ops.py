@@ -58,6 +58,15 @@ def _fused_moe_nvfp4_fake(hidden, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_
     return hidden.new_empty(hidden.shape, dtype=torch.float32 if fp32_output else torch.bfloat16)
 
 
+@torch.library.register_fake("megamoe::fused_moe_nvfp4_ep")
+def _fused_moe_nvfp4_ep_fake(hidden, w13, w13_scale, w13_scale_2, w2, w2_scale, w2_scale_2,
+                             topk_weights, topk_ids, *, handle, shared_w13=None,
+                             shared_w13_scale=None, shared_w13_scale_2=None, shared_w2=None,
+                             shared_w2_scale=None, shared_w2_scale_2=None, check_ids=True):
+    torch._check(hidden.dim() == 2, lambda: "megamoe.fused_moe_nvfp4_ep: hidden must be [T, H]")
+    return hidden.new_empty(hidden.shape, dtype=torch.bfloat16)
+
+
 @torch.library.register_fake("megamoe::route")
 def _route_fake(router_logits, *, top_k, method="softmax", renormalize=True, n_group=1,
                 topk_group=1, routed_scaling_factor=1.0, e_score_correction_bias=None):
@@ -82,17 +91,17 @@ def _dequantize_nvfp4_fake(weight, weight_scale, weight_scale_2):
 
 # ---- prepared layers
 
-# Handles whose release was asked for while a CUDA graph was being captured: freeing (which
-# synchronises the device) is not allowed then, so it waits for the next release outside capture.
-_deferred_releases: list[int] = []
+# Releases asked for while a CUDA graph was being captured: freeing (which synchronises the
+# device) is not allowed then, so they wait for the next release outside capture.
+_deferred_releases: list = []
 
 
-def _release(handle: int) -> None:
-    _deferred_releases.append(handle)
+def _release(free) -> None:
+    _deferred_releases.append(free)
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return
     while _deferred_releases:
-        ops.moe_release(_deferred_releases.pop())
+        _deferred_releases.pop()()
 
 
 class MoeHandle:
@@ -122,7 +131,11 @@ class MoeHandle:
     def release(self) -> None:
         if self._id is not None:
             handle, self._id = self._id, None
-            _release(handle)
+            _release(lambda: self._free(handle))
+
+    @staticmethod
+    def _free(handle: int) -> None:
+        ops.moe_release(handle)
 
     def __del__(self):
         # At interpreter exit the op library may already be gone; nothing is left to free then.

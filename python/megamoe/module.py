@@ -42,6 +42,13 @@ def _split(flat: torch.Tensor, a_shape, b_shape):
 _EXPERT_NAMES = ("w13", "w13_scale", "w13_scale_2", "w2", "w2_scale", "w2_scale_2")
 
 
+def _version_of(t: torch.Tensor):
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors track no version
+        return None
+
+
 def _numel(shape) -> int:
     n = 1
     for d in shape:
@@ -97,7 +104,8 @@ class NVFP4MoE(torch.nn.Module):
                  renormalize: bool = True, n_group: int = 1, topk_group: int = 1,
                  routed_scaling_factor: float = 1.0, swiglu_limit: Optional[float] = None,
                  has_router: bool = True, max_tokens: int = 4096, deterministic: bool = False,
-                 check_ids: bool = True, precision: str = "w4a16", tp_group=None, device=None):
+                 check_ids: bool = True, precision: str = "w4a16", tp_group=None, ep_group=None,
+                 device=None):
         super().__init__()
         _ops.check_precision(precision, "NVFP4MoE")
         if method not in _METHODS:
@@ -130,17 +138,33 @@ class NVFP4MoE(torch.nn.Module):
         self.precision = precision
         self.check_ids = bool(check_ids)
         self.has_router = bool(has_router)
+        if tp_group is not None and ep_group is not None:
+            raise ValueError("NVFP4MoE: tp_group and ep_group together are not supported; pass one")
         self.tp_group = tp_group
         self.tp_size = 1 if tp_group is None else int(tp_group.size())
         self.tp_rank = 0 if tp_group is None else int(tp_group.rank())
+        # A group of one rank is the single-GPU layer.
+        self.ep_group = ep_group if ep_group is not None and ep_group.world_size > 1 else None
+        self.expert_first, self.num_local_experts = 0, self.num_experts
+        if self.ep_group is not None:
+            g = self.ep_group
+            self.expert_first, self.num_local_experts = g.expert_range(self.num_experts)
+            if self.num_local_experts < top_k:
+                raise ValueError(f"NVFP4MoE: {self.num_local_experts} experts per rank is fewer than "
+                                 f"top_k = {top_k}; use fewer expert-parallel ranks")
+            if self.hidden_size > g.hidden_size or top_k > g.top_k:
+                raise ValueError(f"NVFP4MoE: hidden_size = {self.hidden_size} and top_k = {top_k} "
+                                 f"exceed the EpGroup's window (made for hidden_size <= "
+                                 f"{g.hidden_size}, top_k <= {g.top_k})")
+            self.max_tokens = g.max_tokens_per_rank
         if tp_group is not None:
             _ops.tp_range(self.intermediate_size, self.tp_rank, self.tp_size)
             if shared_intermediate_size:
                 _ops.tp_range(shared_intermediate_size, self.tp_rank, self.tp_size,
                               "shared_intermediate_size")
 
-        # The buffers hold this rank's slice (all of it without tensor parallelism).
-        H, E = self.hidden_size, self.num_experts
+        # The buffers hold this rank's slice (all of it without tensor or expert parallelism).
+        H, E = self.hidden_size, self.num_local_experts
         I, Is = self.intermediate_size // self.tp_size, shared_intermediate_size // self.tp_size
         shapes = {"w13": (E, 2 * I, H // 2), "w13_scale": (E, 2 * I, H // 16),
                   "w13_scale_2": (E, 2), "w2": (E, H, I // 2), "w2_scale": (E, H, I // 16),
@@ -155,7 +179,7 @@ class NVFP4MoE(torch.nn.Module):
                     torch.float32 if name.endswith("_2") else torch.float8_e4m3fn)
 
         views = {}
-        for name, shared_name in (_JOINT if Is else ()):  # routed then shared, one storage
+        for name, shared_name in self._joint_pairs(Is):  # routed then shared, one storage
             flat = torch.empty(_numel(shapes[name]) + _numel(shapes[shared_name]),
                                dtype=dtype_of(name), device=device)
             views[name], views[shared_name] = _split(flat, shapes[name], shapes[shared_name])
@@ -164,13 +188,14 @@ class NVFP4MoE(torch.nn.Module):
                                  torch.empty(shape, dtype=dtype_of(name), device=device))
 
         if has_router:
-            self.register_buffer("router_weight", torch.empty(E, H, device=device))
+            self.register_buffer("router_weight", torch.empty(self.num_experts, H, device=device))
         if method == "noaux_tc":
-            self.register_buffer("e_score_correction_bias", torch.empty(E, device=device))
+            self.register_buffer("e_score_correction_bias", torch.empty(self.num_experts, device=device))
 
         self._handle: Optional[_ops.MoeHandle] = None
         self._handle_id = -1  # what forward passes to the op: an int torch.compile treats as a constant
         self._layout = _CHECKPOINT  # what the code and block-scale buffers hold
+        self._packed = {}  # buffer name -> (data_ptr, version) when they were last prepacked
         self.register_state_dict_post_hook(NVFP4MoE._checkpoint_state)
         self.register_load_state_dict_pre_hook(NVFP4MoE._before_load)
         self.register_load_state_dict_post_hook(NVFP4MoE._release_after_load)
@@ -183,12 +208,21 @@ class NVFP4MoE(torch.nn.Module):
             names += ["shared_w13", "shared_w13_scale", "shared_w2", "shared_w2_scale"]
         return names
 
+    def _joint_pairs(self, shared_size=None):
+        # Expert parallelism runs the shared expert as a layer of its own: no joint storage.
+        shared_size = self.shared_intermediate_size if shared_size is None else shared_size
+        return _JOINT if shared_size and self.ep_group is None else ()
+
+    def _weight_names(self):
+        return list(_EXPERT_NAMES) + (list(_ops.SHARED_EXPERT_ARGS)
+                                      if self.shared_intermediate_size else [])
+
     @staticmethod
     def _checkpoint_state(module: "NVFP4MoE", state_dict, prefix, local_metadata) -> None:
         if module._layout == _CHECKPOINT:
             return
         tensors = module.checkpoint_tensors()
-        for name in module._code_names():
+        for name in module._weight_names():
             if prefix + name in state_dict:
                 state_dict[prefix + name] = tensors[name]
 
@@ -198,13 +232,18 @@ class NVFP4MoE(torch.nn.Module):
         if module._layout == _CHECKPOINT:
             return
         incoming = [state_dict.get(prefix + name) for name in module._code_names()]
-        if all(t is not None and t.shape == module._buffers[name].shape
-               for t, name in zip(incoming, module._code_names())):
+        aliased = any(t is not None and t.untyped_storage().data_ptr()
+                      == module._buffers[name].untyped_storage().data_ptr()
+                      for t, name in zip(incoming, module._code_names()))
+        if not aliased and all(t is not None and t.shape == module._buffers[name].shape
+                               for t, name in zip(incoming, module._code_names())):
             # Every prepacked byte is about to be overwritten with checkpoint-layout bytes.
             module.release()
-            module._layout = _CHECKPOINT
+            module._layout, module._packed = _CHECKPOINT, {}
         elif any(t is not None for t in incoming):
-            module.unprepare()  # a partial load: the buffers it leaves must be in the same layout
+            # A partial load (the buffers it leaves must be in the same layout), or tensors that
+            # are the buffers themselves (a state dict taken before prepare): unpack first.
+            module.unprepare()
 
     @staticmethod
     def _release_after_load(module: "NVFP4MoE", incompatible_keys) -> None:
@@ -212,32 +251,66 @@ class NVFP4MoE(torch.nn.Module):
 
     def checkpoint_tensors(self) -> dict:
         """The layer's tensors by buffer name, in the checkpoint layout: the buffers themselves
-        where the layer is not prepared in place, else new CPU tensors for the code and block-scale
-        buffers (unpacked through the host; the device holds no second copy)."""
+        where the layer is not prepared in place, else new CPU tensors for every expert tensor
+        (unpacked through the host; the device holds no second copy). The values are the
+        checkpoint's; the bytes too, but for the codes of blocks whose scale is 0 (given back as 0)
+        and ModelOpt's all-zero weights (given back as zero codes and scales, global scale 1)."""
         tensors = dict(self.named_buffers())
         if self._layout == _CHECKPOINT:
             return tensors
         self._check_layout_known("checkpoint_tensors")
-        names = list(_EXPERT_NAMES) + (list(_ops.SHARED_EXPERT_ARGS)
-                                       if self.shared_intermediate_size else [])
-        unpacked = _ops.unprepack_moe(self._layout, *self._expert_tensors(),
-                                      shared_expert=self._shared_tensors())
-        for name, t in zip(names, unpacked):
-            if name in self._code_names():
-                tensors[name] = t
+        tensors.update(self._unpacked(in_place=False))
+        return tensors
+
+    def _unpacked(self, in_place: bool) -> dict:
+        """The expert tensors unpacked from self._layout: new CPU tensors, or (in_place) into the
+        buffers. Expert parallelism prepacks the shared expert as a one-expert layer of its own."""
+        unpack = _ops.unprepack_moe_in_place if in_place else _ops.unprepack_moe
+        if self.ep_group is None:
+            out = unpack(self._layout, *self._expert_tensors(), shared_expert=self._shared_tensors())
+            return {} if in_place else dict(zip(self._weight_names(), out))
+        out = unpack(self._layout, *self._expert_tensors())
+        tensors = {} if in_place else dict(zip(_EXPERT_NAMES, out))
+        if self.shared_intermediate_size:
+            one = [t.unsqueeze(0) for t in self._shared_tensors()]
+            one[2], one[5] = one[2].view(1, 2), one[5].view(1)  # [E=1, 2] and [E=1] global scales
+            shared = unpack(self._layout, *one)
+            if not in_place:
+                for name, t, like in zip(_ops.SHARED_EXPERT_ARGS, shared, self._shared_tensors()):
+                    tensors[name] = t.view(like.shape)
         return tensors
 
     def unprepare(self) -> "NVFP4MoE":
         """Frees the prepared layer and rewrites the buffers back into the checkpoint layout, in
-        place (through the host). Afterwards the buffers can be read or changed as checkpoint
-        tensors; the next forward prepares again."""
+        place (through the host). Call it before changing a prepared module's buffers; afterwards
+        they can be read or changed as checkpoint tensors, and the next forward prepares again."""
         self.release()
         if self._layout != _CHECKPOINT:
             self._check_layout_known("unprepare")
-            _ops.unprepack_moe_in_place(self._layout, *self._expert_tensors(),
-                                        shared_expert=self._shared_tensors())
-            self._layout = _CHECKPOINT
+            try:
+                self._unpacked(in_place=True)
+            except (ValueError, TypeError):
+                raise  # refused before anything was written
+            except BaseException:
+                self._layout = _UNKNOWN
+                raise
+            self._layout, self._packed = _CHECKPOINT, {}
         return self
+
+    def _record_packed(self) -> None:
+        """What the prepacked buffers are now: prepare() refuses them if they change after."""
+        self._packed = {name: (buf.data_ptr(), _version_of(buf))
+                        for name, buf in self._buffers.items() if name in self._code_names()}
+
+    def _check_packed_unchanged(self) -> None:
+        for name, (ptr, version) in self._packed.items():
+            buf = self._buffers[name]
+            if buf.data_ptr() != ptr or _version_of(buf) != version:
+                raise ValueError(
+                    f"NVFP4MoE.prepare: {name} was changed after it was prepacked in place, so its "
+                    f"bytes are in no known layout (it held {self._layout}). Load weights with "
+                    "load_state_dict (checkpoint layout), or call unprepare() before changing a "
+                    "prepared module's buffers.")
 
     def _check_layout_known(self, where: str) -> None:
         if self._layout == _UNKNOWN:
@@ -290,9 +363,13 @@ class NVFP4MoE(torch.nn.Module):
         return module._placed(device)
 
     def _rank_slice(self, tensors: dict) -> dict:
-        if self.tp_group is None:
-            return tensors
-        return _ops.tp_slice(tensors, self.tp_rank, self.tp_size)
+        if self.tp_group is not None:
+            return _ops.tp_slice(tensors, self.tp_rank, self.tp_size)
+        if self.ep_group is not None:  # the rank's experts; the shared expert and router whole
+            first, count = self.expert_first, self.num_local_experts
+            return {name: t[first:first + count] if name in _EXPERT_NAMES else t
+                    for name, t in tensors.items()}
+        return tensors
 
     @classmethod
     def from_float(cls, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, *,
@@ -318,15 +395,13 @@ class NVFP4MoE(torch.nn.Module):
 
     def _assign(self, tensors: dict) -> None:
         self._set_buffers(tensors)
-        self._layout = _CHECKPOINT
+        self._layout, self._packed = _CHECKPOINT, {}
         self._join()
 
     def _join(self) -> None:
         """Makes each routed code or scale buffer and the shared expert's one storage again where
         they are not (after a buffer was replaced): one copy of the pair, on its device."""
-        if not self.shared_intermediate_size:
-            return
-        for name, shared_name in _JOINT:
+        for name, shared_name in self._joint_pairs():
             a, b = self._buffers[name], self._buffers[shared_name]
             if _adjacent(a, b):
                 continue
@@ -355,7 +430,7 @@ class NVFP4MoE(torch.nn.Module):
             self.prepare()
         return self
 
-    # ---- the prepared copy
+    # ---- the prepared layer
 
     def prepare(self, max_tokens: Optional[int] = None) -> "NVFP4MoE":
         """(Re)builds the prepared layer the kernels run (CUDA weights only).
@@ -374,26 +449,43 @@ class NVFP4MoE(torch.nn.Module):
             raise ValueError(f"NVFP4MoE.prepare: the weights are on {self.w13.device}; move the "
                              "module to a CUDA device first (module.cuda())")
         self._check_layout_known("prepare")
+        if self._layout != _CHECKPOINT:
+            self._check_packed_unchanged()
         device_layout = _ops.ops.moe_prepacked_layout(self.w13.device)
         if self._layout not in (_CHECKPOINT, device_layout):
             self.unprepare()  # prepacked for another architecture
         self._join()
+        in_place = self._layout == _CHECKPOINT
+        try:
+            self._handle = self._make_handle(prepacked=not in_place)
+        except (ValueError, TypeError, NotImplementedError):
+            raise  # refused before anything was written
+        except BaseException:
+            if in_place:
+                self._layout = _UNKNOWN
+            raise
+        if in_place:
+            self._layout = device_layout
+            self._record_packed()
+        self._handle_id = int(self._handle)
+        return self
+
+    def _make_handle(self, prepacked: bool):
+        if self.ep_group is not None:
+            from .ep import EpLayerHandle
+
+            shared = self._shared_tensors()
+            return EpLayerHandle(_ops.ops.ep_prepare(
+                self.ep_group._handle, *self._expert_tensors(), num_experts=self.num_experts,
+                top_k=self.top_k, swiglu_limit=self.swiglu_limit, deterministic=self.deterministic,
+                prepacked=prepacked,
+                **({} if shared is None else dict(zip(_ops.SHARED_EXPERT_ARGS, shared)))))
         options = dict(top_k=self.top_k, max_tokens=self.max_tokens,
                        swiglu_limit=self.swiglu_limit, deterministic=self.deterministic,
                        shared_expert=self._shared_tensors(), precision=self.precision)
-        if self._layout == _CHECKPOINT:
-            try:
-                self._handle = _ops.prepare_moe_in_place(*self._expert_tensors(), **options)
-            except (ValueError, TypeError, NotImplementedError):
-                raise  # refused before anything was written
-            except BaseException:
-                self._layout = _UNKNOWN
-                raise
-            self._layout = self._handle.layout()
-        else:
-            self._handle = _ops.prepare_moe(*self._expert_tensors(), prepacked=True, **options)
-        self._handle_id = int(self._handle)
-        return self
+        if prepacked:
+            return _ops.prepare_moe(*self._expert_tensors(), prepacked=True, **options)
+        return _ops.prepare_moe_in_place(*self._expert_tensors(), **options)
 
     def release(self) -> None:
         """Frees the prepared layer's plan and workspace (the next forward makes new ones); the
@@ -420,9 +512,9 @@ class NVFP4MoE(torch.nn.Module):
         # Each joint pair moves as its one storage (moved apart, the pair would need a second
         # copy to be joined again). None hides a buffer from Module._apply and keeps its order.
         joint = []
-        for name, shared_name in (_JOINT if self.shared_intermediate_size else ()):
+        for name, shared_name in self._joint_pairs():
             a, b = self._buffers[name], self._buffers[shared_name]
-            if _adjacent(a, b):
+            if _adjacent(a, b) or (a.is_meta and b.is_meta and a.dtype == b.dtype):
                 joint.append((name, shared_name, a, b))
                 self._buffers[name] = self._buffers[shared_name] = None
         try:
@@ -432,9 +524,24 @@ class NVFP4MoE(torch.nn.Module):
                 self._buffers[name], self._buffers[shared_name] = a, b
             raise
         for name, shared_name, a, b in joint:
-            self._buffers[name], self._buffers[shared_name] = _split(keep_dtype(_flat(a, b)),
-                                                                      a.shape, b.shape)
+            flat = (torch.empty(a.numel() + b.numel(), dtype=a.dtype, device="meta") if a.is_meta
+                    else _flat(a, b))
+            self._buffers[name], self._buffers[shared_name] = _split(keep_dtype(flat), a.shape, b.shape)
+        if self._packed:
+            self._record_packed()  # the prepacked bytes, moved
         return result
+
+    def __getstate__(self):
+        # A copy (deepcopy, pickle) is not prepared: the handle belongs to this module.
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        state = dict(state)
+        state["_handle"], state["_handle_id"] = None, -1
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if self._packed:
+            self._record_packed()  # the copy's own prepacked buffers
 
     def _expert_tensors(self):
         return (self.w13, self.w13_scale, self.w13_scale_2, self.w2, self.w2_scale,
@@ -480,6 +587,14 @@ class NVFP4MoE(torch.nn.Module):
             logits = routing[0].reshape(-1, self.num_experts) if routing else self.router_logits(x)
             topk_weights, topk_ids = self.route(logits)
         handle = self._prepared_handle()
+        if self.ep_group is not None:
+            # Every rank runs the layer the same number of times: no chunking here.
+            shared = self._shared_tensors()
+            out = _ops.ops.fused_moe_nvfp4_ep(
+                x, *self._expert_tensors(), topk_weights, topk_ids, handle=handle,
+                check_ids=self.check_ids,
+                **({} if shared is None else dict(zip(_ops.SHARED_EXPERT_ARGS, shared))))
+            return out.reshape(hidden.shape)
         m = self.max_tokens
         partial = self.tp_group is not None  # the rank's fp32 partial sum, reduced below
         if x.shape[0] <= m:
@@ -527,6 +642,9 @@ class NVFP4MoE(torch.nn.Module):
             parts.append(f"precision={self.precision}")
         if self.tp_group is not None:
             parts.append(f"tp_rank={self.tp_rank}, tp_size={self.tp_size}")
+        if self.ep_group is not None:
+            parts.append(f"ep_rank={self.ep_group.rank}, ep_size={self.ep_group.world_size}, "
+                         f"experts=[{self.expert_first}, {self.expert_first + self.num_local_experts})")
         parts.append(f"max_tokens={self.max_tokens}, prepared={self._handle is not None}")
         if self._layout != _CHECKPOINT:
             parts.append(f"layout={self._layout}")

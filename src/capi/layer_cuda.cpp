@@ -88,19 +88,27 @@ struct megamoe_layer {
   megamoe::capi::DeviceAlloc own_workspace;
   int routing_kind = MEGAMOE_ROUTING_NONE;
 
+  // `workspace`: workspace_bytes(plan, routing) bytes of the layer's own, or none (external).
   megamoe_layer(const megamoe::capi::LayerOptions& o, megamoe::MoePlan p, megamoe::MoeDeviceWeights w,
-                std::optional<megamoe::RoutingConfig> r)
-      : options(o), plan(std::move(p)), weights(std::move(w)), routing(std::move(r)) {
-    using megamoe::capi::align_up;
+                std::optional<megamoe::RoutingConfig> r, megamoe::capi::DeviceAlloc workspace,
+                megamoe::capi::DeviceAlloc bias_on_device)
+      : options(o), plan(std::move(p)), weights(std::move(w)), routing(std::move(r)), bias(std::move(bias_on_device)),
+        own_workspace(std::move(workspace)) {
     const size_t routed = static_cast<size_t>(plan.problem().max_tokens) * plan.problem().top_k;
-    ids_offset = align_up(plan.workspace_bytes());
-    weights_offset = ids_offset + (routing ? align_up(routed * sizeof(int32_t)) : 0);
-    workspace_size = weights_offset + (routing ? align_up(routed * sizeof(float)) : 0);
+    ids_offset = megamoe::capi::align_up(plan.workspace_bytes());
+    weights_offset = ids_offset + (routing ? megamoe::capi::align_up(routed * sizeof(int32_t)) : 0);
+    workspace_size = workspace_bytes(plan, routing);
     if (routing) {
       routing_kind = routing->kind == megamoe::RoutingKind::kNoauxTc ? MEGAMOE_ROUTING_NOAUX_TC
                                                                      : MEGAMOE_ROUTING_SOFTMAX_TOPK;
     }
-    if (!options.external_workspace) own_workspace = megamoe::capi::DeviceAlloc(workspace_size);
+  }
+  // The plan's workspace, then (with a router) the routed ids and weights.
+  static size_t workspace_bytes(const megamoe::MoePlan& plan, const std::optional<megamoe::RoutingConfig>& routing) {
+    using megamoe::capi::align_up;
+    const size_t routed = static_cast<size_t>(plan.problem().max_tokens) * plan.problem().top_k;
+    return align_up(plan.workspace_bytes()) +
+           (routing ? align_up(routed * sizeof(int32_t)) + align_up(routed * sizeof(float)) : 0);
   }
 };
 
@@ -115,15 +123,17 @@ megamoe_layer* create_layer(const MoeLayer& layer, const LayerOptions& options) 
   problem.deterministic = options.deterministic;
   problem.precision = options.precision;
   MoePlan plan = MoePlan::create(problem);
-  MoeDeviceWeights weights = MoeDeviceWeights::upload(layer);
-  auto out = std::make_unique<megamoe_layer>(options, std::move(plan), std::move(weights), layer.routing);
+  DeviceAlloc workspace(options.external_workspace ? 0 : megamoe_layer::workspace_bytes(plan, layer.routing));
+  DeviceAlloc bias(layer.e_score_correction_bias.size() * sizeof(float));
   if (!layer.e_score_correction_bias.empty()) {
-    const size_t bytes = layer.e_score_correction_bias.size() * sizeof(float);
-    out->bias = DeviceAlloc(bytes);
-    check_cuda(cudaMemcpy(out->bias.get(), layer.e_score_correction_bias.data(), bytes, cudaMemcpyHostToDevice),
+    check_cuda(cudaMemcpy(bias.get(), layer.e_score_correction_bias.data(), layer.e_score_correction_bias.size() * sizeof(float),
+                          cudaMemcpyHostToDevice),
                "cudaMemcpy(correction bias)");
   }
-  return out.release();
+  MoeDeviceWeights weights = MoeDeviceWeights::upload(layer);
+  return std::make_unique<megamoe_layer>(options, std::move(plan), std::move(weights), layer.routing,
+                                         std::move(workspace), std::move(bias))
+      .release();
 }
 
 megamoe_layer* create_layer_stacked(const StackedLayer& s, const LayerOptions& options, megamoe_stream stream) {
@@ -161,19 +171,22 @@ megamoe_layer* create_layer_stacked(const StackedLayer& s, const LayerOptions& o
   b.shared_w2 = rw(s.shared_w2);
   b.shared_w2_scale = rw(s.shared_w2_scale);
   b.shared_w2_scale_2 = rw(s.shared_w2_scale_2);
-  MoeDeviceWeights weights = s.in_place ? MoeDeviceWeights::prepack_in_place(b, stream)
-                                        : MoeDeviceWeights::from_stacked(b.as_const(), stream);
   std::optional<RoutingConfig> routing = s.routing;
   if (routing) routing->top_k = s.top_k;
-  auto out = std::make_unique<megamoe_layer>(options, std::move(plan), std::move(weights), routing);
+  // Everything that can fail but the weights first: an in-place rewrite must be the last step.
+  DeviceAlloc workspace(options.external_workspace ? 0 : megamoe_layer::workspace_bytes(plan, routing));
+  DeviceAlloc bias(s.correction_bias ? static_cast<size_t>(s.num_experts) * sizeof(float) : 0);
   if (s.correction_bias) {
-    const size_t bytes = static_cast<size_t>(s.num_experts) * sizeof(float);
-    out->bias = DeviceAlloc(bytes);
-    check_cuda(cudaMemcpyAsync(out->bias.get(), s.correction_bias, bytes, cudaMemcpyDeviceToDevice, stream),
+    check_cuda(cudaMemcpyAsync(bias.get(), s.correction_bias, static_cast<size_t>(s.num_experts) * sizeof(float),
+                               cudaMemcpyDeviceToDevice, stream),
                "cudaMemcpyAsync(correction bias)");
     check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize(correction bias)");
   }
-  return out.release();
+  MoeDeviceWeights weights = s.in_place ? MoeDeviceWeights::prepack_in_place(b, stream)
+                                        : MoeDeviceWeights::from_stacked(b.as_const(), stream);
+  return std::make_unique<megamoe_layer>(options, std::move(plan), std::move(weights), routing, std::move(workspace),
+                                         std::move(bias))
+      .release();
 }
 
 void destroy_layer(megamoe_layer* layer) noexcept {

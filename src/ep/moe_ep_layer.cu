@@ -19,6 +19,7 @@
 #include "megamoe/status.h"
 #include "megamoe/gpu.h"
 #include "runtime/backend.h"
+#include "runtime/moe_device_weights.h"
 #include "runtime/sm90/sm90_launch_util.h"
 
 namespace megamoe {
@@ -234,19 +235,25 @@ EpGroup MoeEpLayer::group() const {
   return g;
 }
 
-MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, const EpGroup& group,
-                              bool deterministic) {
+// What a rank's layer is, whatever holds its weights.
+struct MoeEpLayer::Shape {
+  int64_t num_experts = 0, hidden = 0, inter = 0, shared_inter = 0;
+  int top_k = 0;
+  std::optional<float> swiglu_limit;
+};
+
+// The plans and the group's scratch of a rank's layer of `shape` (weights set by the caller).
+MoeEpLayer MoeEpLayer::make(const EpGroup& group, const Shape& shape, bool deterministic) {
   MEGAMOE_CHECK(group.impl_ != nullptr, kInvalidArgument, "MoeEpLayer::create: the EpGroup was moved from");
   EpGroup::Impl& g = *group.impl_;
   const EpConfig& config = g.cfg;
   const int R = config.world_size;
-  const EpExpertRange range = ep_expert_range(num_experts, R, config.rank);
-  local_layer.validate();
-  MEGAMOE_CHECK(local_layer.num_experts == range.count, kInvalidArgument, "MoeEpLayer: the local layer holds ",
-                local_layer.num_experts, " experts; rank ", config.rank, " of ", R, " owns ", range.count,
-                " of the ", num_experts, " (ep_local_layer)");
-  const int k = local_layer.routing.top_k;
-  const int64_t H = local_layer.hidden_size, max_t = config.max_tokens_per_rank;
+  const EpExpertRange range = ep_expert_range(shape.num_experts, R, config.rank);
+  const int k = shape.top_k;
+  const int64_t H = shape.hidden, max_t = config.max_tokens_per_rank;
+  MEGAMOE_CHECK(range.count >= k, kUnsupported, "expert parallelism: ", range.count,
+                " experts per rank is fewer than top_k = ", k, "; use fewer ranks (each rank's local layer takes a "
+                "token's k ids)");
   MEGAMOE_CHECK(H <= g.hidden && k <= g.top_k, kInvalidArgument, "MoeEpLayer: the layer's H = ", H, " and top_k = ",
                 k, " exceed its group's window, made for H <= ", g.hidden, " and top_k <= ", g.top_k,
                 " (EpGroup::create: give the largest layer's)");
@@ -254,7 +261,7 @@ MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, 
   Impl& m = *out.impl_;
   m.group = group.impl_;
   m.range = range;
-  m.num_experts = num_experts;
+  m.num_experts = shape.num_experts;
   m.hidden = H;
   m.top_k = k;
   check_cuda(cudaSetDevice(config.device), "cudaSetDevice");
@@ -262,50 +269,49 @@ MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, 
   if (R == 1) {
     // One rank owns every expert: the single-GPU layer on the rank's tokens, nothing exchanged.
     m.single = true;
-    MoeProblem p = MoeProblem::from_layer(local_layer, max_t);
+    MoeProblem p;
+    p.hidden_size = H;
+    p.intermediate_size = shape.inter;
+    p.num_experts = shape.num_experts;
     p.top_k = k;
+    p.shared_intermediate_size = shape.shared_inter;
+    p.max_tokens = max_t;
+    p.swiglu_limit = shape.swiglu_limit;
     p.deterministic = deterministic;
     p.precision = config.precision;
     m.routed_plan = MoePlan::create(p, g.tuning);
-    m.routed_weights = MoeDeviceWeights::upload(local_layer);
     m.routed_ws = g.scratch_at(Scratch::kRoutedWorkspace, m.routed_plan->workspace_bytes());
-    check_cuda(cudaDeviceSynchronize(), "MoeEpLayer::create");
     return out;
   }
 
   // The rank's own experts, on the rows that arrive from every rank (fp32 out). Gated
   // (run_gated): deterministic, so that no accumulator of R * max_t rows is zeroed per run, and
   // without early start, whose schedule needs the ids at launch.
-  MoeLayer routed = local_layer;
-  routed.shared_expert.reset();
   MoeProblem rp;
   rp.hidden_size = H;
-  rp.intermediate_size = local_layer.intermediate_size;
+  rp.intermediate_size = shape.inter;
   rp.num_experts = range.count;
   rp.top_k = k;
   rp.max_tokens = R * max_t;
-  rp.swiglu_limit = local_layer.swiglu_limit;
+  rp.swiglu_limit = shape.swiglu_limit;
   rp.deterministic = true;
   rp.precision = config.precision;
   MoeTuning routed_tuning = g.tuning;
   routed_tuning.early_start = false;
   m.routed_plan = MoePlan::create(rp, routed_tuning);
-  m.routed_weights = MoeDeviceWeights::upload(routed);
 
   // The shared expert on the rank's own tokens: a one-expert layer, every token's weight 1.
-  if (local_layer.shared_expert) {
-    MoeLayer shared;
-    shared.hidden_size = H;
-    shared.intermediate_size = local_layer.shared_expert->intermediate_size();
-    shared.num_experts = 1;
-    shared.experts = {*local_layer.shared_expert};
-    shared.routing.top_k = 1;
-    shared.swiglu_limit = local_layer.swiglu_limit;
-    MoeProblem sp = MoeProblem::from_layer(shared, max_t);
+  if (shape.shared_inter > 0) {
+    MoeProblem sp;
+    sp.hidden_size = H;
+    sp.intermediate_size = shape.shared_inter;
+    sp.num_experts = 1;
+    sp.top_k = 1;
+    sp.max_tokens = max_t;
+    sp.swiglu_limit = shape.swiglu_limit;
     sp.deterministic = deterministic;
     sp.precision = config.precision;
     m.shared_plan = MoePlan::create(sp, g.tuning);
-    m.shared_weights = MoeDeviceWeights::upload(shared);
     m.shared_ws = g.scratch_at(Scratch::kSharedWorkspace, m.shared_plan->workspace_bytes());
     m.shared_ids = static_cast<int32_t*>(g.scratch_at(Scratch::kSharedIds, static_cast<size_t>(max_t) * 4));
     m.shared_w = static_cast<float*>(g.scratch_at(Scratch::kSharedOnes, static_cast<size_t>(max_t) * 4));
@@ -313,7 +319,82 @@ MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, 
   }
   m.routed_ws = g.scratch_at(Scratch::kRoutedWorkspace, m.routed_plan->workspace_bytes());
   m.local_out = static_cast<float*>(g.scratch_at(Scratch::kLocalOut, static_cast<size_t>(R * max_t * H) * 4));
+  return out;
+}
+
+MoeEpLayer MoeEpLayer::create(const MoeLayer& local_layer, int64_t num_experts, const EpGroup& group,
+                              bool deterministic) {
+  MEGAMOE_CHECK(group.impl_ != nullptr, kInvalidArgument, "MoeEpLayer::create: the EpGroup was moved from");
+  const EpConfig& config = group.impl_->cfg;
+  const EpExpertRange range = ep_expert_range(num_experts, config.world_size, config.rank);
+  local_layer.validate();
+  MEGAMOE_CHECK(local_layer.num_experts == range.count, kInvalidArgument, "MoeEpLayer: the local layer holds ",
+                local_layer.num_experts, " experts; rank ", config.rank, " of ", config.world_size, " owns ",
+                range.count, " of the ", num_experts, " (ep_local_layer)");
+  Shape shape;
+  shape.num_experts = num_experts;
+  shape.hidden = local_layer.hidden_size;
+  shape.inter = local_layer.intermediate_size;
+  shape.shared_inter = local_layer.shared_expert ? local_layer.shared_expert->intermediate_size() : 0;
+  shape.top_k = local_layer.routing.top_k;
+  shape.swiglu_limit = local_layer.swiglu_limit;
+  MoeEpLayer out = make(group, shape, deterministic);
+  Impl& m = *out.impl_;
+  if (m.single) {
+    m.routed_weights = MoeDeviceWeights::upload(local_layer);  // the shared expert included
+  } else {
+    MoeLayer routed = local_layer;
+    routed.shared_expert.reset();
+    m.routed_weights = MoeDeviceWeights::upload(routed);
+    if (local_layer.shared_expert) {
+      MoeLayer shared;
+      shared.hidden_size = shape.hidden;
+      shared.intermediate_size = shape.shared_inter;
+      shared.num_experts = 1;
+      shared.experts = {*local_layer.shared_expert};
+      shared.routing.top_k = 1;
+      shared.swiglu_limit = local_layer.swiglu_limit;
+      m.shared_weights = MoeDeviceWeights::upload(shared);
+    }
+  }
   check_cuda(cudaDeviceSynchronize(), "MoeEpLayer::create");
+  return out;
+}
+
+MoeEpLayer MoeEpLayer::create(EpLocalWeights weights, const EpLayerOptions& options, const EpGroup& group) {
+  MEGAMOE_CHECK(group.impl_ != nullptr, kInvalidArgument, "MoeEpLayer::create: the EpGroup was moved from");
+  const EpConfig& config = group.impl_->cfg;
+  const MoeProblem& routed = runtime::DeviceWeightsAccess::get(weights.routed).shape;
+  MEGAMOE_CHECK(routed.hidden_size > 0 && routed.shared_intermediate_size == 0, kInvalidArgument,
+                "MoeEpLayer::create: the routed weights must be the rank's experts alone (",
+                routed.shared_intermediate_size > 0 ? "they hold a shared expert: give it as EpLocalWeights::shared"
+                                                     : "they are empty", ")");
+  const EpExpertRange range = ep_expert_range(options.num_experts, config.world_size, config.rank);
+  MEGAMOE_CHECK(routed.num_experts == range.count, kInvalidArgument, "MoeEpLayer::create: the routed weights hold ",
+                routed.num_experts, " experts; rank ", config.rank, " of ", config.world_size, " owns ", range.count,
+                " of the ", options.num_experts);
+  Shape shape;
+  shape.num_experts = options.num_experts;
+  shape.hidden = routed.hidden_size;
+  shape.inter = routed.intermediate_size;
+  shape.top_k = options.top_k;
+  shape.swiglu_limit = options.swiglu_limit;
+  if (weights.shared) {
+    const MoeProblem& shared = runtime::DeviceWeightsAccess::get(*weights.shared).shape;
+    MEGAMOE_CHECK(shared.num_experts == 1 && shared.shared_intermediate_size == 0 &&
+                      shared.hidden_size == routed.hidden_size,
+                  kInvalidArgument, "MoeEpLayer::create: the shared weights must be a one-expert layer of hidden "
+                  "size ", routed.hidden_size, " (they have ", shared.num_experts, " experts, H = ",
+                  shared.hidden_size, ")");
+    shape.shared_inter = shared.intermediate_size;
+  }
+  MEGAMOE_CHECK(config.world_size > 1 || !weights.shared, kInvalidArgument,
+                "MoeEpLayer::create: at world size 1 the layer is the single-GPU layer, whose weights hold the "
+                "shared expert with the routed ones: give them as one MoeDeviceWeights, or use run()");
+  MoeEpLayer out = make(group, shape, options.deterministic);
+  Impl& m = *out.impl_;
+  m.routed_weights = std::move(weights.routed);
+  if (weights.shared) m.shared_weights = std::move(*weights.shared);
   return out;
 }
 

@@ -220,6 +220,8 @@ runtime::WeightStorage caller_storage(const StackedNvfp4Weights& w, const char* 
                         {"w13_scale", w.w13_scale, "shared_w13_scale", w.shared_w13_scale, E * 2 * I * (H / kBlock)},
                         {"w2", w.w2, "shared_w2", w.shared_w2, E * H * (I / 2)},
                         {"w2_scale", w.w2_scale, "shared_w2_scale", w.shared_w2_scale, E * H * (I / kBlock)}};
+  int device = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
   for (const Kind& k : kinds) {
     MEGAMOE_CHECK(k.routed != nullptr, kInvalidArgument, fn, ": ", k.name, " is a null pointer.");
     MEGAMOE_CHECK(reinterpret_cast<uintptr_t>(k.routed) % 16 == 0, kInvalidArgument, fn, ": ", k.name,
@@ -228,6 +230,8 @@ runtime::WeightStorage caller_storage(const StackedNvfp4Weights& w, const char* 
     check_cuda(cudaPointerGetAttributes(&attr, k.routed), "cudaPointerGetAttributes(weights)");
     MEGAMOE_CHECK(attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged, kInvalidArgument, fn,
                   ": ", k.name, " is not device memory; the kernels read the caller's tensors in place.");
+    MEGAMOE_CHECK(attr.type == cudaMemoryTypeManaged || attr.device == device, kInvalidArgument, fn, ": ", k.name,
+                  " is on device ", attr.device, ", not the current device ", device, ".");
     MEGAMOE_CHECK(Is == 0 || k.shared == k.routed + k.routed_bytes, kInvalidArgument, fn, ": ", k.shared_name,
                   " must start where ", k.name, " ends (", k.routed_bytes, " bytes after it): the kernels read "
                   "the routed and the shared expert's ", k.name, " from one allocation.");
@@ -327,8 +331,19 @@ MoeDeviceWeights MoeDeviceWeights::view_prepacked(const StackedNvfp4Weights& w, 
   }
   check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize(global scales to host)");
   runtime::GlobalScales scales;
-  for (int64_t e = 0; e < E; ++e) scales.routed.push_back({s13[2 * e], s13[2 * e + 1], s2[e]});
-  if (Is > 0) scales.shared = {shared13[0], shared13[1], shared2[0]};
+  for (int64_t e = 0; e < E; ++e) {
+    const std::string ex = std::to_string(e);
+    check_global_scale(s13[2 * e], "w13_scale_2[" + ex + ", 0] (gate of expert " + ex + ")", kView);
+    check_global_scale(s13[2 * e + 1], "w13_scale_2[" + ex + ", 1] (up of expert " + ex + ")", kView);
+    check_global_scale(s2[e], "w2_scale_2[" + ex + "] (down of expert " + ex + ")", kView);
+    scales.routed.push_back({s13[2 * e], s13[2 * e + 1], s2[e]});
+  }
+  if (Is > 0) {
+    check_global_scale(shared13[0], "shared_w13_scale_2[0] (shared gate)", kView);
+    check_global_scale(shared13[1], "shared_w13_scale_2[1] (shared up)", kView);
+    check_global_scale(shared2[0], "shared_w2_scale_2 (shared down)", kView);
+    scales.shared = {shared13[0], shared13[1], shared2[0]};
+  }
 
   MoeDeviceWeights out;
   Impl& impl = *out.impl_;
@@ -410,19 +425,24 @@ void unprepack_stacked(const std::string& layout, const StackedNvfp4Weights& in,
     MEGAMOE_CHECK(dst != nullptr, kInvalidArgument, kUnprepack, ": out.", name, " is a null pointer.");
     upload_to(dst, src, stream);
   };
+  // The global scales are not rewritten by a prepack: where `out` is `in`'s memory they are left
+  // alone (a caller may hold them read-only).
+  auto write_scales = [&](float* dst, const float* src, const std::vector<float>& values, const char* name) {
+    if (dst != src) write(dst, values, name);
+  };
   write(out.w13, h.w13, "w13");
   write(out.w13_scale, h.w13_scale, "w13_scale");
-  write(out.w13_scale_2, g13, "w13_scale_2");
+  write_scales(out.w13_scale_2, in.w13_scale_2, g13, "w13_scale_2");
   write(out.w2, h.w2, "w2");
   write(out.w2_scale, h.w2_scale, "w2_scale");
-  write(out.w2_scale_2, g2, "w2_scale_2");
+  write_scales(out.w2_scale_2, in.w2_scale_2, g2, "w2_scale_2");
   if (Is > 0) {
     write(out.shared_w13, h.shared_w13, "shared_w13");
     write(out.shared_w13_scale, h.shared_w13_scale, "shared_w13_scale");
-    write(out.shared_w13_scale_2, gs13, "shared_w13_scale_2");
+    write_scales(out.shared_w13_scale_2, in.shared_w13_scale_2, gs13, "shared_w13_scale_2");
     write(out.shared_w2, h.shared_w2, "shared_w2");
     write(out.shared_w2_scale, h.shared_w2_scale, "shared_w2_scale");
-    write(out.shared_w2_scale_2, gs2, "shared_w2_scale_2");
+    write_scales(out.shared_w2_scale_2, in.shared_w2_scale_2, gs2, "shared_w2_scale_2");
   }
   check_cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize(after unprepacking)");
 }

@@ -324,6 +324,123 @@ TEST(GpuEpLoopback, LayersShareOneGroup) {
                        kInvalidArgument, "exceed its group's window");
 }
 
+// A layer's experts (routed ones only, or the shared expert as a one-expert layer) in the stacked
+// layout on the device, prepacked in place: the weights a rank holds once (EpLocalWeights).
+struct HeldExperts {
+  HeldExperts(const std::vector<ExpertWeights>& experts, int64_t H) {
+    const int64_t I = experts[0].intermediate_size();
+    std::vector<uint8_t> w13, w13s, w2, w2s;
+    std::vector<float> g13, g2;
+    auto append = [](std::vector<uint8_t>& v, const uint8_t* p, int64_t n) { v.insert(v.end(), p, p + n); };
+    for (const ExpertWeights& x : experts) {
+      append(w13, x.gate.weight, I * H / 2);
+      append(w13, x.up.weight, I * H / 2);
+      append(w13s, x.gate.weight_scale, I * H / 16);
+      append(w13s, x.up.weight_scale, I * H / 16);
+      append(w2, x.down.weight, H * I / 2);
+      append(w2s, x.down.weight_scale, H * I / 16);
+      g13.insert(g13.end(), {x.gate.weight_scale_2, x.up.weight_scale_2});
+      g2.push_back(x.down.weight_scale_2);
+    }
+    d_w13.emplace(w13);
+    d_w13s.emplace(w13s);
+    d_w2.emplace(w2);
+    d_w2s.emplace(w2s);
+    d_g13.emplace(g13);
+    d_g2.emplace(g2);
+    b.hidden_size = H;
+    b.intermediate_size = I;
+    b.num_experts = static_cast<int64_t>(experts.size());
+    b.w13 = d_w13->get();
+    b.w13_scale = d_w13s->get();
+    b.w13_scale_2 = d_g13->get();
+    b.w2 = d_w2->get();
+    b.w2_scale = d_w2s->get();
+    b.w2_scale_2 = d_g2->get();
+  }
+  MoeDeviceWeights prepack() { return MoeDeviceWeights::prepack_in_place(b); }
+  std::optional<DeviceBuffer<uint8_t>> d_w13, d_w13s, d_w2, d_w2s;
+  std::optional<DeviceBuffer<float>> d_g13, d_g2;
+  StackedNvfp4Buffers b;
+};
+
+// A rank's layer over weights it holds (prepacked in place) runs bitwise as the layer that
+// uploads its own copy; mismatched weights are refused.
+TEST(GpuEpLoopback, LayerOverHeldWeightsIsTheUploadedLayer) {
+  MEGAMOE_REQUIRE_GPU();
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
+  const int R = 4;
+  if (!loopback_available(R)) return;
+  const int64_t H = 256, I = 128, E = 16, Is = 256, max_t = 12;
+  const int k = 4;
+  const MoeLayer layer = testing::random_layer(rng, H, I, E, k, Is, 3.0f);
+  LoopbackLayer uploaded(layer, R, max_t, /*deterministic=*/true);
+  std::vector<std::unique_ptr<HeldExperts>> held;
+  std::vector<MoeEpLayer> ranks;
+  for (int r = 0; r < R; ++r) {
+    EpConfig cfg;
+    cfg.world_size = R;
+    cfg.rank = r;
+    cfg.max_tokens_per_rank = max_t;
+    const EpGroup group = EpGroup::create(cfg, uploaded.loopback, H, k);
+    const MoeLayer local = ep_local_layer(layer, ep_expert_range(E, R, r));
+    held.push_back(std::make_unique<HeldExperts>(local.experts, H));
+    held.push_back(std::make_unique<HeldExperts>(std::vector<ExpertWeights>{*layer.shared_expert}, H));
+    EpLocalWeights w{held[2 * r]->prepack(), held[2 * r + 1]->prepack()};
+    EXPECT_TRUE(w.routed.views_caller_memory());
+    EpLayerOptions o;
+    o.num_experts = E;
+    o.top_k = k;
+    o.swiglu_limit = 3.0f;
+    o.deterministic = true;
+    ranks.push_back(MoeEpLayer::create(std::move(w), o, group));
+    EXPECT_LT(ranks.back().device_bytes(), size_t{4096}) << "the layer holds no copy of its weights";
+  }
+  for (int round = 0; round < 2; ++round) {
+    std::vector<int64_t> tokens(R);
+    for (int r = 0; r < R; ++r) tokens[r] = rng.uniform_int(0, static_cast<int>(max_t));
+    std::vector<RankIo> a = draw_inputs(rng, tokens, H, E, k);
+    std::vector<RankIo> b = draw_inputs(rng, tokens, H, E, k);
+    for (int r = 0; r < R; ++r) {
+      b[r].hidden = a[r].hidden;
+      b[r].topk = a[r].topk;
+      if (tokens[r] > 0) {
+        b[r].d_hidden->upload(a[r].hidden);
+        b[r].d_ids->upload(a[r].topk.ids);
+        b[r].d_w->upload(a[r].topk.weights);
+      }
+    }
+    uploaded.run(a);
+    for (int r = 0; r < R; ++r) {
+      if (b[r].tokens > 0) b[r].d_out->poison();
+    }
+    gpu::check_cuda(cudaDeviceSynchronize(), "inputs");
+    for (int r = 0; r < R; ++r) ranks[r].run(b[r].args(), uploaded.loopback.stream(r));
+    for (int r = 0; r < R; ++r) ranks[r].check(uploaded.loopback.stream(r));
+    for (int r = 0; r < R; ++r) {
+      if (tokens[r] > 0) EXPECT_EQ(a[r].d_out->download(), b[r].d_out->download()) << "rank " << r;
+    }
+    expect_matches_reference(layer, b, "held weights, round " + std::to_string(round));
+  }
+
+  EpConfig cfg;
+  cfg.world_size = R;
+  cfg.rank = 1;
+  cfg.max_tokens_per_rank = max_t;
+  const EpGroup group = EpGroup::create(cfg, uploaded.loopback, H, k);
+  EpLayerOptions o;
+  o.num_experts = E;
+  o.top_k = k;
+  HeldExperts too_many(std::vector<ExpertWeights>(layer.experts.begin(), layer.experts.begin() + 8), H);
+  EXPECT_MEGAMOE_ERROR(MoeEpLayer::create(EpLocalWeights{too_many.prepack(), std::nullopt}, o, group),
+                       kInvalidArgument, "the routed weights hold 8 experts; rank 1 of 4 owns 4");
+  HeldExperts routed(ep_local_layer(layer, ep_expert_range(E, R, 1)).experts, H);
+  HeldExperts two(std::vector<ExpertWeights>(layer.experts.begin(), layer.experts.begin() + 2), H);
+  EXPECT_MEGAMOE_ERROR(MoeEpLayer::create(EpLocalWeights{routed.prepack(), two.prepack()}, o, group),
+                       kInvalidArgument, "the shared weights must be a one-expert layer");
+}
+
 // Ranks delayed at random before they run still give the reference's answer.
 TEST(GpuEpLoopback, InjectedDelaysChangeNothing) {
   MEGAMOE_REQUIRE_GPU();

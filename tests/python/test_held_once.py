@@ -199,3 +199,47 @@ def test_functional_in_place_ops():
     with pytest.raises(ValueError, match='weight layout "sm80" is not one of this build'):
         megamoe.unprepack_moe("sm80", *(joint[n] for n in names),
                               shared_expert=[joint[n] for n in shared_names])
+
+
+def test_changing_a_prepacked_buffer_is_refused_until_unprepared(seed):
+    t = layer(8, 256, 128)
+    module = megamoe.NVFP4MoE.from_tensors(t, 2, deterministic=True)
+    x, w, ids = inputs(12, 256, 8, 2)
+    want = module(x, w, ids)
+    with torch.no_grad():
+        module.w2.copy_(t["w2"].cuda())  # checkpoint bytes over prepacked ones
+    with pytest.raises(ValueError, match="modified in place"):
+        module(x, w, ids)
+    with pytest.raises(ValueError, match="w2 was changed after it was prepacked in place"):
+        module.prepare()
+    module.load_state_dict(t)  # the way to give a prepared module new weights
+    assert torch.equal(module(x, w, ids), want), f"seed {seed}"
+
+
+def test_a_state_dict_taken_before_prepare_loads_after_it(seed):
+    t = layer(8, 256, 128, 128)
+    module = megamoe.NVFP4MoE.from_tensors(t, 2, deterministic=True, device="cpu").cuda()
+    early = module.state_dict()  # the buffers themselves
+    x, w, ids = inputs(12, 256, 8, 2)
+    want = module(x, w, ids)  # prepares: `early` now holds the prepacked bytes
+    module.load_state_dict(early)
+    for name, tensor in t.items():
+        assert same_bytes(module.checkpoint_tensors()[name], tensor), name
+    assert torch.equal(module(x, w, ids), want), f"seed {seed}"
+
+
+def test_checkpoint_tensors_of_a_prepared_module_are_on_the_cpu_and_copies_run(seed):
+    import copy
+
+    t = layer(8, 256, 128, 128)
+    module = megamoe.NVFP4MoE.from_tensors(t, 2, deterministic=True)
+    tensors = module.checkpoint_tensors()
+    for name in t:
+        if name != "router_weight":
+            assert tensors[name].device.type == "cpu", name
+    x, w, ids = inputs(12, 256, 8, 2)
+    want = module(x, w, ids)
+    twin = copy.deepcopy(module)
+    assert "prepared=False" in repr(twin)
+    assert torch.equal(twin(x, w, ids), want), f"seed {seed}"
+    assert torch.equal(module(x, w, ids), want), f"seed {seed}: the original after its copy ran"
