@@ -10,13 +10,6 @@
 #include "torch_utils.h"
 
 namespace megamoe::torch_ext {
-namespace {
-
-const uint8_t* bytes(const at::Tensor& t) { return static_cast<const uint8_t*>(t.const_data_ptr()); }
-const float* floats(const at::Tensor& t) { return t.const_data_ptr<float>(); }
-
-}  // namespace
-
 LayerShape check_stacked(const char* op, const Stacked& s, bool any_device) {
   if (!any_device) arg(op, "w13", s.w13).cuda();
   arg(op, "w13", s.w13)
@@ -105,27 +98,6 @@ StackedNvfp4Buffers writable_view(const Stacked& s, const LayerShape& L) {
   return b;
 }
 
-StackedNvfp4Weights device_view(const Stacked& s, const LayerShape& L) {
-  StackedNvfp4Weights w;
-  w.hidden_size = L.hidden;
-  w.intermediate_size = L.inter;
-  w.num_experts = L.experts;
-  w.w13 = bytes(s.w13);
-  w.w13_scale = bytes(s.w13_scale);
-  w.w13_scale_2 = floats(s.w13_scale_2);
-  w.w2 = bytes(s.w2);
-  w.w2_scale = bytes(s.w2_scale);
-  w.w2_scale_2 = floats(s.w2_scale_2);
-  w.shared_intermediate_size = L.shared_inter;
-  if (L.shared_inter > 0) {
-    w.shared_w13 = bytes(*s.shared_w13);
-    w.shared_w13_scale = bytes(*s.shared_w13_scale);
-    w.shared_w13_scale_2 = floats(*s.shared_w13_scale_2);
-    w.shared_w2 = bytes(*s.shared_w2);
-    w.shared_w2_scale = bytes(*s.shared_w2_scale);
-    w.shared_w2_scale_2 = floats(*s.shared_w2_scale_2);
-  }
-  return w;
-}
+StackedNvfp4Weights device_view(const Stacked& s, const LayerShape& L) { return writable_view(s, L).as_const(); }
 
 }  // namespace megamoe::torch_ext

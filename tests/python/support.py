@@ -136,3 +136,18 @@ def write_checkpoint(path, arch: str, fmt: str, layer: int, stacked: dict,
     cfg.update(config)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f)
+
+
+# ---- multi-process tests (torch.distributed)
+
+def nccl_available() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_nccl_available()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 free now, for init_process_group's rendezvous."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -5,12 +5,12 @@ one process per GPU and skips (visibly) where fewer than two are present.
 """
 
 import os
-import socket
 
 import pytest
 
 import nvfp4_oracle as oracle
-from support import layer_tensors, megamoe, random_shared, random_stacked, requires_hopper, torch
+from support import (free_port, layer_tensors, megamoe, nccl_available, random_shared,
+                     random_stacked, requires_hopper, torch)
 
 pytestmark = requires_hopper
 
@@ -137,14 +137,6 @@ def test_bad_setups_are_refused():
         module(x, *routing(9))
 
 
-def _nccl_available() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_nccl_available()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ep_rank(rank, world, port, seed, result):
@@ -177,7 +169,7 @@ def _ep_rank(rank, world, port, seed, result):
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.skipif(not _nccl_available(), reason="torch.distributed with NCCL is not available")
+@pytest.mark.skipif(not nccl_available(), reason="torch.distributed with NCCL is not available")
 def test_ranks_on_several_gpus_give_the_layer(seed):
     world = torch.cuda.device_count()
     if world < 2:
@@ -186,6 +178,6 @@ def test_ranks_on_several_gpus_give_the_layer(seed):
     world = min(world, 8)
     import torch.multiprocessing as mp
     result = mp.Manager().dict()
-    mp.spawn(_ep_rank, args=(world, _free_port(), seed, result), nprocs=world, join=True)
+    mp.spawn(_ep_rank, args=(world, free_port(), seed, result), nprocs=world, join=True)
     for rank in range(world):
         assert result[rank] <= MAX_REL_L2, f"seed {seed}: rank {rank}: rel L2 {result[rank]:.3g}"

@@ -5,11 +5,11 @@ that a multi-GPU machine runs this file unchanged.
 """
 
 import os
-import socket
 
 import pytest
 
-from support import megamoe, random_shared, random_stacked, requires_hopper, torch
+from support import (free_port, megamoe, nccl_available, random_shared, random_stacked,
+                     requires_hopper, torch)
 
 pytestmark = requires_hopper
 
@@ -83,20 +83,12 @@ def test_bad_splits_are_refused():
     assert "rank 2 of world size 2" in str(info.value)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def _nccl_available():
-    return torch.distributed.is_available() and torch.distributed.is_nccl_available()
-
-
-@pytest.mark.skipif(not _nccl_available(), reason="torch.distributed with NCCL is not available")
+@pytest.mark.skipif(not nccl_available(), reason="torch.distributed with NCCL is not available")
 def test_group_of_one_is_the_layer(seed):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}",
+    torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}",
                                          rank=0, world_size=1, device_id=torch.device("cuda", 0))
     try:
         tensors = layer()
@@ -131,7 +123,7 @@ def _tp_rank(rank, world, port, seed, result):
         torch.distributed.destroy_process_group()
 
 
-@pytest.mark.skipif(not _nccl_available(), reason="torch.distributed with NCCL is not available")
+@pytest.mark.skipif(not nccl_available(), reason="torch.distributed with NCCL is not available")
 def test_ranks_on_several_gpus_give_the_layer(seed):
     world = torch.cuda.device_count()
     if world < 2:
@@ -140,6 +132,6 @@ def test_ranks_on_several_gpus_give_the_layer(seed):
     world = min(world, 8)
     import torch.multiprocessing as mp
     result = mp.Manager().dict()
-    mp.spawn(_tp_rank, args=(world, _free_port(), seed, result), nprocs=world, join=True)
+    mp.spawn(_tp_rank, args=(world, free_port(), seed, result), nprocs=world, join=True)
     for rank in range(world):
         assert result[rank] <= 1e-3, f"seed {seed}: rank {rank}: rel L2 {result[rank]:.3g}"
