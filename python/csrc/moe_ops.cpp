@@ -39,6 +39,8 @@ constexpr const char* kDescribe = "moe_describe";
 constexpr const char* kPrepareInPlace = "moe_prepare_in_place";
 constexpr const char* kLayout = "moe_weight_layout";
 constexpr const char* kPrepackedLayout = "moe_prepacked_layout";
+constexpr const char* kWorkspaceBytes = "moe_workspace_bytes";
+constexpr const char* kSetWorkspace = "moe_set_workspace";
 constexpr const char* kUnprepack = "moe_unprepack";
 constexpr const char* kUnprepackInPlace = "moe_unprepack_in_place";
 
@@ -141,6 +143,24 @@ std::string moe_prepacked_layout(c10::Device device) {
   });
 }
 
+int64_t moe_workspace_bytes(int64_t handle) {
+  return translate_errors(kWorkspaceBytes, [&] {
+    return std::max<int64_t>(static_cast<int64_t>(registry().get(handle, kWorkspaceBytes)->plan.workspace_bytes()), 256);
+  });
+}
+
+void moe_set_workspace(int64_t handle, const at::Tensor& workspace) {
+  translate_errors(kSetWorkspace, [&] {
+    const std::shared_ptr<PreparedMoe> p = registry().get(handle, kSetWorkspace);
+    const int64_t need = std::max<int64_t>(static_cast<int64_t>(p->plan.workspace_bytes()), 256);
+    arg(kSetWorkspace, "workspace", workspace).on(p->device).dtype({at::kByte})
+        .dims(1, "[bytes] uint8").contiguous().aligned(256);
+    TORCH_CHECK_VALUE(workspace.numel() >= need, "megamoe.", kSetWorkspace, ": workspace has ", workspace.numel(),
+                      " bytes; handle ", handle, " needs ", need, " (moe_workspace_bytes).");
+    p->set_workspace(workspace);
+  });
+}
+
 std::string moe_weight_layout(int64_t handle) {
   return translate_errors(kLayout, [&] { return std::string(registry().get(handle, kLayout)->weights.layout()); });
 }
@@ -232,7 +252,7 @@ std::string moe_describe(int64_t handle, int64_t tokens) {
        << " precision=" << precision_name(pr.precision) << "; "
        << (p->weights.views_caller_memory() ? "weights prepacked in place (layout " : "prepacked copy of the weights (layout ")
        << p->weights.layout() << "), " << p->weights.device_bytes() << " B allocated, workspace "
-       << p->workspace.numel() << " B; "
+       << p->workspace().numel() << " B; "
        << p->plan.describe(tokens);
     return os.str();
   });
@@ -303,7 +323,8 @@ at::Tensor fused_moe_nvfp4_cuda(
     } else {
       a.output = static_cast<uint16_t*>(out.data_ptr());
     }
-    a.workspace = p->workspace.data_ptr();
+    const at::Tensor workspace = p->workspace();  // held for the call
+    a.workspace = workspace.data_ptr();
     megamoe::run(p->plan, p->weights, a, stream);
     if (check_ids && !is_capturing(stream)) {
       const int64_t bad = p->plan.invalid_id_count(a.workspace, stream);
@@ -334,6 +355,8 @@ TORCH_LIBRARY_IMPL(megamoe, CompositeImplicitAutograd, m) {
   m.impl("moe_prepare", &moe_prepare);
   m.impl("moe_weight_layout", &moe_weight_layout);
   m.impl("moe_prepacked_layout", &moe_prepacked_layout);
+  m.impl("moe_workspace_bytes", &moe_workspace_bytes);
+  m.impl("moe_set_workspace", &moe_set_workspace);
   m.impl("moe_unprepack", &moe_unprepack);
   m.impl("moe_release", &moe_release);
   m.impl("moe_describe", &moe_describe);

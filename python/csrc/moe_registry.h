@@ -52,13 +52,27 @@ void mark_written(const std::vector<std::pair<const char*, at::Tensor>>& tensors
 struct PreparedMoe {
   PreparedMoe(at::Device dev, MoePlan p, MoeDeviceWeights w, at::Tensor ws,
               std::vector<Fingerprint> src)
-      : device(dev), plan(std::move(p)), weights(std::move(w)), workspace(std::move(ws)),
-        sources(std::move(src)) {}
+      : device(dev), plan(std::move(p)), weights(std::move(w)), sources(std::move(src)),
+        workspace_(std::move(ws)) {}
   at::Device device;
   MoePlan plan;
   MoeDeviceWeights weights;
-  at::Tensor workspace;  // uint8, MoePlan::workspace_bytes() (the caching allocator aligns to 512)
   std::vector<Fingerprint> sources;
+
+  // uint8, at least MoePlan::workspace_bytes(), 256-byte aligned: the layer's own, or one that
+  // layers which never run at the same time share (megamoe.share_workspace).
+  at::Tensor workspace() const {
+    const std::lock_guard<std::mutex> lock(mu_);
+    return workspace_;
+  }
+  void set_workspace(at::Tensor ws) {
+    const std::lock_guard<std::mutex> lock(mu_);
+    workspace_ = std::move(ws);
+  }
+
+ private:
+  mutable std::mutex mu_;
+  at::Tensor workspace_;
 };
 
 // Live objects by integer handle (what a torch op can take, and torch.compile carry as a

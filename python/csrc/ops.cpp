@@ -54,6 +54,12 @@ TORCH_LIBRARY(megamoe, m) {
   // The layout a prepared layer reads its weights in ("sm90-prepacked-nvfp4"), and the one that
   // moe_prepare_in_place writes on `device`.
   m.def("moe_weight_layout(int handle) -> str");
+  // The workspace a prepared layer needs, and one it uses instead of its own: layers that never
+  // run at the same time (a model's, one after another on a stream) can share the largest one.
+  // Set it before capturing a CUDA graph that runs the layer; preparing again gives the layer its
+  // own again.
+  m.def("moe_workspace_bytes(int handle) -> int");
+  m.def("moe_set_workspace(int handle, Tensor workspace) -> ()");
   m.def("moe_prepacked_layout(Device device) -> str");
   // Tensors in a prepacked `layout` back to the checkpoint layout, as new CPU tensors in
   // moe_prepare's argument order (w13 .. w2_scale_2, then the shared expert's six when given).

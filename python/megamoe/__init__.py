@@ -11,10 +11,10 @@ from ._ops import (PRECISIONS, MoeHandle, dequantize_nvfp4, fused_moe_nvfp4, loa
                    prepare_moe, prepare_moe_in_place, quantize_experts, quantize_nvfp4, route,
                    tp_range, tp_slice, unprepack_moe, unprepack_moe_in_place)
 from .ep import EpGroup, EpLoopback
-from .module import NVFP4MoE
+from .module import NVFP4MoE, share_workspace
 
 __all__ = [
     "EpGroup", "EpLoopback", "PRECISIONS", "MoeHandle", "NVFP4MoE", "dequantize_nvfp4", "fused_moe_nvfp4", "load_moe_layer", "ops",
     "prepare_moe", "prepare_moe_in_place", "quantize_experts", "quantize_nvfp4", "route", "tp_range",
-    "tp_slice", "unprepack_moe", "unprepack_moe_in_place",
+    "share_workspace", "tp_slice", "unprepack_moe", "unprepack_moe_in_place",
 ]

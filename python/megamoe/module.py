@@ -649,3 +649,27 @@ class NVFP4MoE(torch.nn.Module):
         if self._layout != _CHECKPOINT:
             parts.append(f"layout={self._layout}")
         return ", ".join(parts)
+
+
+def share_workspace(modules) -> Optional[torch.Tensor]:
+    """Gives the prepared :class:`NVFP4MoE` layers among ``modules`` (e.g. ``model.modules()``;
+    other modules are skipped) one workspace, the largest they need, instead of one each: a model's
+    layers run one after another, so one suffices (DeepSeek-V3 at ``max_tokens=4096``: 0.27 GB
+    instead of 0.27 GB per layer). Layers that could run at the same time (on two streams) must
+    not share. Unprepared layers are prepared first. Call it after preparing and before capturing
+    CUDA graphs; preparing a layer again (a move, a new ``max_tokens``) gives it its own workspace
+    again. Expert-parallel layers are skipped: they use their EpGroup's scratch. Returns the
+    workspace (None where no layer qualifies)."""
+    layers = [m for m in modules if isinstance(m, NVFP4MoE) and m.ep_group is None]
+    if not layers:
+        return None
+    devices = {m.w13.device for m in layers}
+    if len(devices) != 1:
+        raise ValueError(f"megamoe.share_workspace: the layers are on {sorted(map(str, devices))}; "
+                         "one workspace serves the layers of one device")
+    handles = [m._prepared_handle() for m in layers]
+    need = max(_ops.ops.moe_workspace_bytes(h) for h in handles)
+    workspace = torch.empty(need, dtype=torch.uint8, device=devices.pop())
+    for h in handles:
+        _ops.ops.moe_set_workspace(h, workspace)
+    return workspace

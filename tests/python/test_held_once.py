@@ -243,3 +243,24 @@ def test_checkpoint_tensors_of_a_prepared_module_are_on_the_cpu_and_copies_run(s
     assert "prepared=False" in repr(twin)
     assert torch.equal(twin(x, w, ids), want), f"seed {seed}"
     assert torch.equal(module(x, w, ids), want), f"seed {seed}: the original after its copy ran"
+
+
+def test_layers_share_one_workspace(seed):
+    a = megamoe.NVFP4MoE.from_tensors(layer(8, 256, 128, 128), 2, deterministic=True, max_tokens=64)
+    b = megamoe.NVFP4MoE.from_tensors(layer(16, 512, 128), 4, deterministic=True, max_tokens=256)
+    x_a, w_a, ids_a = inputs(40, 256, 8, 2)
+    x_b, w_b, ids_b = inputs(200, 512, 16, 4)
+    want_a, want_b = a(x_a, w_a, ids_a), b(x_b, w_b, ids_b)
+    need = max(megamoe.ops.moe_workspace_bytes(m._handle_id) for m in (a, b))
+    workspace = megamoe.share_workspace(torch.nn.ModuleList([a, b]).modules())
+    assert workspace.numel() == need
+    for m in (a, b):
+        assert f"workspace {need} B" in m.describe(), m.describe()
+    for _ in range(2):  # in turns, as a model's layers run
+        assert torch.equal(a(x_a, w_a, ids_a), want_a), f"seed {seed}"
+        assert torch.equal(b(x_b, w_b, ids_b), want_b), f"seed {seed}"
+    with pytest.raises(ValueError, match="needs"):
+        megamoe.ops.moe_set_workspace(b._handle_id, workspace[:256])
+    with pytest.raises(ValueError, match="256-byte aligned"):
+        megamoe.ops.moe_set_workspace(a._handle_id, workspace[8:])
+    assert megamoe.share_workspace([torch.nn.Linear(2, 2)]) is None
