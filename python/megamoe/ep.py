@@ -29,8 +29,9 @@ class EpLoopback:
     own share of the SMs and a stream on them (:meth:`stream`). One thread drives every rank: make
     each rank's group and layers, prepare them all, then run each rank's forward under
     ``torch.cuda.stream(loopback.stream(r))`` with ``check_ids=False`` (a host synchronisation
-    before every rank has launched would wait for ranks that wait for it), and synchronise after
-    the last rank. The outputs equal R GPUs'; the timings are not R GPUs'."""
+    before every rank has launched would wait for ranks that wait for it), then :meth:`synchronize`
+    (the ranks' streams belong to green contexts: ``torch.cuda.synchronize()`` does not wait for
+    them). The outputs equal R GPUs'; the timings are not R GPUs'."""
 
     def __init__(self, world_size: int, device=None):
         device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
@@ -49,6 +50,11 @@ class EpLoopback:
             self._streams[rank] = torch.cuda.ExternalStream(ptr, device=self.device)
             self.sms_per_rank = int(sms)
         return self._streams[rank]
+
+    def synchronize(self) -> None:
+        """Waits for the work queued on every rank's stream."""
+        for rank in range(self.world_size):
+            self.stream(rank).synchronize()
 
     def __del__(self):
         try:

@@ -52,13 +52,15 @@ def routing(T):
 
 
 def run_ranks(modules, lb, inputs):
-    """Every rank's forward on its own stream (launched before any waits), then one sync."""
+    """Every rank's forward on its own stream (launched before any waits), then every rank's
+    stream synchronised (the ranks' streams are in green contexts: torch.cuda.synchronize(), which
+    waits for the primary context, does not wait for them)."""
     torch.cuda.synchronize()
     outs = []
     for r, m in enumerate(modules):
         with torch.cuda.stream(lb.stream(r)):
             outs.append(m(*inputs[r]))
-    torch.cuda.synchronize()
+    lb.synchronize()
     return outs
 
 
@@ -106,7 +108,7 @@ def test_ranks_route_with_their_router_and_hold_their_experts_once(seed):
     for r, m in enumerate(modules):
         with torch.cuda.stream(lb.stream(r)):
             outs.append(m(xs[r]))  # the router path: logits, route, experts
-    torch.cuda.synchronize()
+    lb.synchronize()
     want = whole(torch.cat(xs))
     err = oracle.rel_l2(torch.cat(outs), want)
     assert err <= MAX_REL_L2, f"seed {seed}: rel L2 {err:.3g} against the single-GPU layer"
@@ -139,11 +141,10 @@ def test_graph_replays_equal_eager_runs(seed):
             for dst, src in zip(static[r], fresh[r]):
                 dst.copy_(src)
         want = run_ranks(modules, lb, fresh)  # eager, same group: the epochs stay in step
-        torch.cuda.synchronize()
         for r in range(R):
             with torch.cuda.stream(lb.stream(r)):
                 graphs[r].replay()
-        torch.cuda.synchronize()
+        lb.synchronize()
         for r in range(R):
             assert torch.equal(outs[r], want[r]), f"seed {seed}: round {round}, rank {r}"
 
