@@ -97,6 +97,13 @@ class NVFP4MoE(torch.nn.Module):
     fp32, all-reduces it over the group in fp32 and rounds once to bf16 (graph-safe with the NCCL
     backend). I/R and Is/R must be multiples of 64. :meth:`from_checkpoint` and
     :meth:`from_tensors` take the whole layer and keep the rank's slice.
+
+    ``ep_group`` (a :class:`megamoe.EpGroup`, one per process and model) makes the module rank r's
+    expert-parallel part: its buffers hold routed experts [r·E/R, (r+1)·E/R) (``num_experts``
+    stays the layer's) and the shared expert and router whole. Each rank calls forward on its own
+    tokens with global ids; every rank runs each layer the same number of times, so a batch is never
+    split (at most the group's ``max_tokens_per_rank`` tokens). :meth:`from_checkpoint` and
+    :meth:`from_tensors` take the whole layer. ``tp_group`` and ``ep_group`` do not combine.
     """
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
@@ -323,13 +330,13 @@ class NVFP4MoE(torch.nn.Module):
     @classmethod
     def from_checkpoint(cls, path, layer: int, *, device="cuda", max_tokens: int = 4096,
                         deterministic: bool = False, check_ids: bool = True,
-                        precision: str = "w4a16", tp_group=None) -> "NVFP4MoE":
+                        precision: str = "w4a16", tp_group=None, ep_group=None) -> "NVFP4MoE":
         """Loads model.layers.{layer}.mlp of a ModelOpt or compressed-tensors NVFP4 checkpoint.
 
         ``path`` is the model directory (config.json, safetensors files). The codes and block
         scales are the checkpoint's bits; global scales its values (compressed-tensors'
         reciprocal is inverted once, in fp32). On a CUDA ``device`` the layer is also prepared.
-        With ``tp_group``, the module keeps its rank's slice (the class docstring).
+        With ``tp_group`` or ``ep_group``, the module keeps its rank's slice (the class docstring).
         """
         desc, tensors = _ops.load_moe_layer(os.fspath(path), layer)
         r = desc["routing"]
@@ -340,7 +347,7 @@ class NVFP4MoE(torch.nn.Module):
                      routed_scaling_factor=r["routed_scaling_factor"],
                      swiglu_limit=desc["swiglu_limit"], has_router="router_weight" in tensors,
                      max_tokens=max_tokens, deterministic=deterministic, check_ids=check_ids,
-                     precision=precision, tp_group=tp_group, device="meta")
+                     precision=precision, tp_group=tp_group, ep_group=ep_group, device="meta")
         module._assign(module._rank_slice(tensors))
         module.checkpoint_description = desc
         return module._placed(device)

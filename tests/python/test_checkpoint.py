@@ -144,3 +144,28 @@ def test_prepare_on_cpu_is_rejected(tmp_path):
     x = torch.randn(3, H).to(torch.bfloat16)
     with pytest.raises(ValueError, match="move the module to a CUDA device"):
         module(x, torch.ones(3, 2), torch.zeros(3, 2, dtype=torch.int32))
+
+
+class _TwoRankGroup:
+    """What NVFP4MoE reads of a megamoe.EpGroup (rank 1 of 2), for a CPU module that is never
+    prepared: the expert-parallel slicing without a GPU."""
+    rank, world_size, hidden_size, top_k, max_tokens_per_rank = 1, 2, H, 2, 8
+
+    def expert_range(self, num_experts):
+        return num_experts // 2, num_experts // 2
+
+
+def test_from_checkpoint_keeps_the_expert_parallel_ranks_experts(tmp_path):
+    stacked = full_range_stacked()
+    shared = random_shared(H, 2 * I)
+    write_checkpoint(tmp_path, "deepseek_v3", "modelopt", 0, stacked, shared=shared,
+                     router=torch.randn(E, H), bias=torch.randn(E), top_k=2, n_group=1,
+                     topk_group=1)
+    module = megamoe.NVFP4MoE.from_checkpoint(tmp_path, 0, device="cpu", ep_group=_TwoRankGroup())
+    assert module.num_experts == E and module.num_local_experts == E // 2
+    assert module.expert_first == E // 2 and "ep_rank=1, ep_size=2" in repr(module)
+    for name in ("w13", "w13_scale", "w2", "w2_scale"):
+        assert same_bytes(getattr(module, name), stacked[name][E // 2:]), name
+        assert same_bytes(getattr(module, "shared_" + name), shared[name]), "shared_" + name
+    assert module.router_weight.shape == (E, H)
+    assert module.max_tokens == 8  # the group's max_tokens_per_rank
