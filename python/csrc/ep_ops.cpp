@@ -78,10 +78,6 @@ HandleRegistry<PreparedEp>& layers() {
   return *r;
 }
 
-cudaStream_t current_stream(const at::Device& device) {
-  return at::cuda::getCurrentCUDAStream(device.index()).stream();
-}
-
 int device_index(const c10::Device& device, const char* op) {
   TORCH_CHECK_VALUE(device.is_cuda(), "megamoe.", op, ": ", device, " is not a CUDA device.");
   return device.has_index() ? device.index() : static_cast<int>(c10::cuda::current_device());
@@ -233,12 +229,6 @@ int64_t ep_prepare(int64_t group, const at::Tensor& w13, const at::Tensor& w13_s
     for (const auto& [name, t] : s.present()) sources.push_back(Fingerprint::of(name, t));
     return layers().add(std::make_shared<PreparedEp>(L.device, std::move(layer), top_k, std::move(sources)));
   });
-}
-
-bool is_capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  gpu::check_cuda(cudaStreamIsCapturing(stream, &status), "cudaStreamIsCapturing");
-  return status != cudaStreamCaptureStatusNone;
 }
 
 at::Tensor fused_moe_nvfp4_ep_cuda(const at::Tensor& hidden, const at::Tensor& w13, const at::Tensor& w13_scale,

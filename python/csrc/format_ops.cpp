@@ -130,7 +130,7 @@ at::Tensor dequantize_cuda(const at::Tensor& weight, const at::Tensor& scale,
     const auto* codes = static_cast<const uint8_t*>(weight.const_data_ptr());
     const auto* scales = static_cast<const uint8_t*>(scale.const_data_ptr());
     auto* o = static_cast<uint16_t*>(out.data_ptr());
-    const cudaStream_t stream = at::cuda::getCurrentCUDAStream(weight.device().index()).stream();
+    const cudaStream_t stream = current_stream(weight.device());
     for (int64_t e = 0; e < experts; ++e) {
       const float s2 = g.const_data_ptr<float>()[e];
       TORCH_CHECK_VALUE(std::isfinite(s2) && s2 > 0.0f, "megamoe.", kDequantize,

@@ -44,16 +44,6 @@ constexpr const char* kSetWorkspace = "moe_set_workspace";
 constexpr const char* kUnprepack = "moe_unprepack";
 constexpr const char* kUnprepackInPlace = "moe_unprepack_in_place";
 
-cudaStream_t current_stream(const at::Device& device) {
-  return at::cuda::getCurrentCUDAStream(device.index()).stream();
-}
-
-bool is_capturing(cudaStream_t stream) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  gpu::check_cuda(cudaStreamIsCapturing(stream, &status), "cudaStreamIsCapturing");
-  return status != cudaStreamCaptureStatusNone;
-}
-
 std::string limit_string(const std::optional<float>& limit) {
   return limit ? std::to_string(*limit) : std::string("None");
 }

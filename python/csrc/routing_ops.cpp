@@ -87,7 +87,7 @@ std::tuple<at::Tensor, at::Tensor> route_cuda(const at::Tensor& logits, int64_t 
     a.num_experts = logits.size(1);
     a.topk_ids = ids.data_ptr<int32_t>();
     a.topk_weights = weights.data_ptr<float>();
-    route_topk(cfg, a, at::cuda::getCurrentCUDAStream(logits.device().index()).stream());
+    route_topk(cfg, a, current_stream(logits.device()));
     return std::make_tuple(weights, ids);
   });
 }

@@ -4,7 +4,9 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/util/Exception.h>
+#include <cuda_runtime.h>
 
 #include <initializer_list>
 #include <optional>
@@ -13,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "megamoe/gpu.h"
 #include "megamoe/status.h"
 
 namespace megamoe::torch_ext {
@@ -115,5 +118,17 @@ class ArgCheck {
 };
 
 inline ArgCheck arg(const char* op, const char* name, const at::Tensor& t) { return {op, name, t}; }
+
+// Torch's current stream on `device`, where the ops launch their work.
+inline cudaStream_t current_stream(const at::Device& device) {
+  return at::cuda::getCurrentCUDAStream(device.index()).stream();
+}
+
+// Whether `stream` is capturing a CUDA graph (the ops skip their host synchronisations then).
+inline bool is_capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  gpu::check_cuda(cudaStreamIsCapturing(stream, &status), "cudaStreamIsCapturing");
+  return status != cudaStreamCaptureStatusNone;
+}
 
 }  // namespace megamoe::torch_ext

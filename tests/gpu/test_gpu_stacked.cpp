@@ -16,6 +16,7 @@
 #include "megamoe/reference.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
+#include "tests/common/error_matchers.h"
 #include "tests/common/test_util.h"
 
 namespace megamoe {
@@ -483,17 +484,6 @@ TEST(GpuStackedWeights, InPlaceRewritesModelOptZeroWeightAsZeros) {
   for (int64_t i = 2 * H * (I / 2); i < 3 * H * (I / 2); ++i) ASSERT_EQ(back.w2[i], 0) << i;
 }
 
-template <typename Fn>
-void expect_invalid(Fn fn, const std::string& expected) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error; expected one mentioning '" << expected << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
-    EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
-  }
-}
-
 TEST(GpuStackedWeights, InPlaceRejectsMemoryItCannotUseAndLeavesBadLayersUntouched) {
   MEGAMOE_REQUIRE_GPU();
   const testing::SeedTrace seed;
@@ -506,36 +496,35 @@ TEST(GpuStackedWeights, InPlaceRejectsMemoryItCannotUseAndLeavesBadLayersUntouch
   StackedNvfp4Buffers b = joint.b;
   const DeviceStacked apart(layer, host);  // the shared expert's tensors in their own allocations
   b.shared_w2 = const_cast<uint8_t*>(apart.view.shared_w2);
-  expect_invalid([&] { MoeDeviceWeights::prepack_in_place(b); }, "shared_w2 must start where w2 ends");
-  expect_invalid([&] { MoeDeviceWeights::view_prepacked(b.as_const()); }, "shared_w2 must start where w2 ends");
+  EXPECT_MEGAMOE_ERROR(MoeDeviceWeights::prepack_in_place(b), kInvalidArgument, "shared_w2 must start where w2 ends");
+  EXPECT_MEGAMOE_ERROR(MoeDeviceWeights::view_prepacked(b.as_const()), kInvalidArgument, "shared_w2 must start where w2 ends");
   b = joint.b;
   b.w2_scale += 8;
   b.shared_w2_scale += 8;
-  expect_invalid([&] { MoeDeviceWeights::prepack_in_place(b); }, "w2_scale is not 16-byte aligned");
+  EXPECT_MEGAMOE_ERROR(MoeDeviceWeights::prepack_in_place(b), kInvalidArgument, "w2_scale is not 16-byte aligned");
   std::vector<uint8_t> host_codes = joint.w13.download();
   b = joint.b;
   b.w13 = host_codes.data();
   b.shared_w13 = host_codes.data() + host.w13.size();
-  expect_invalid([&] { MoeDeviceWeights::prepack_in_place(b); }, "w13 is not device memory");
+  EXPECT_MEGAMOE_ERROR(MoeDeviceWeights::prepack_in_place(b), kInvalidArgument, "w13 is not device memory");
   b = joint.b;
   b.w13_scale_2 = nullptr;
-  expect_invalid([&] { MoeDeviceWeights::prepack_in_place(b); }, "w13_scale_2 is a null pointer");
+  EXPECT_MEGAMOE_ERROR(MoeDeviceWeights::prepack_in_place(b), kInvalidArgument, "w13_scale_2 is a null pointer");
 
   // A bad block scale is found before anything is written.
   HostStacked bad = host;
   bad.w2_scale[5] = 0x7F;
   JointStacked bad_joint(layer, bad);
-  expect_invalid([&] { MoeDeviceWeights::prepack_in_place(bad_joint.b); }, "w2_scale[0, 1, 1] is the block scale 0x7F");
+  EXPECT_MEGAMOE_ERROR(MoeDeviceWeights::prepack_in_place(bad_joint.b), kInvalidArgument, "w2_scale[0, 1, 1] is the block scale 0x7F");
   const HostStacked after = bad_joint.download();
   EXPECT_TRUE(after.w13 == bad.w13 && after.w2 == bad.w2 && after.s_w13 == bad.s_w13 && after.s_w2 == bad.s_w2 &&
               after.w2_scale == bad.w2_scale)
       << "a rejected layer must be left as it was";
 
-  expect_invalid([&] { unprepack_stacked("no-such-layout", joint.b.as_const(), joint.b); },
-                 "weight layout \"no-such-layout\" is not one of this build's (" + prepacked_layout());
+  EXPECT_MEGAMOE_ERROR(unprepack_stacked("no-such-layout", joint.b.as_const(), joint.b), kInvalidArgument, "weight layout \"no-such-layout\" is not one of this build's (" + prepacked_layout());
   StackedNvfp4Buffers wrong = joint.b;
   wrong.num_experts = E - 1;
-  expect_invalid([&] { unprepack_stacked(prepacked_layout(), joint.b.as_const(), wrong); }, "out has hidden_size");
+  EXPECT_MEGAMOE_ERROR(unprepack_stacked(prepacked_layout(), joint.b.as_const(), wrong), kInvalidArgument, "out has hidden_size");
 }
 
 }  // namespace
