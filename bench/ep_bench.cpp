@@ -112,6 +112,7 @@ void run_ep_bench_rank(const EpRankSetup& setup, int rank) {
   cfg.device = rank;
   cfg.max_tokens_per_rank = max_t;
   cfg.timeout_seconds = opt.ep_timeout;
+  cfg.early_start = opt.early_start;
   MoeEpLayer ep = MoeEpLayer::create(local, E, cfg, EpUniqueId::from_hex(setup.layer_comm_id), opt.deterministic);
   info.ep_device_bytes = static_cast<int64_t>(ep.device_bytes() + ep.group().device_bytes());
   log("EP layer: experts [" + std::to_string(range.first) + ", " + std::to_string(range.first + range.count) + ")" +

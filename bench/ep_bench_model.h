@@ -33,6 +33,7 @@ struct EpBenchOptions {
   int check_tokens = 4;              // tokens per rank checked against the CPU reference
   bool baselines = true;             // time baselines (a) and (b)
   bool deterministic = false;
+  bool early_start = true;           // EpConfig::early_start (--early-start off: never)
   uint64_t seed = 0x5eed;
   std::string json;                  // results file (rank 0 rewrites it after every point)
   std::string work_dir;              // where the synthesized checkpoint goes (kept); default: a temporary dir

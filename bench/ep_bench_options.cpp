@@ -98,6 +98,7 @@ nlohmann::json to_json(const EpRankSetup& s) {
                         {"check_tokens", o.check_tokens},
                         {"baselines", o.baselines},
                         {"deterministic", o.deterministic},
+                        {"early_start", o.early_start},
                         {"seed", o.seed},
                         {"json", o.json},
                         {"work_dir", o.work_dir},
@@ -128,6 +129,7 @@ EpRankSetup ep_rank_setup_from_json(const nlohmann::json& j) {
   o.check_tokens = field<int>(opt, "check_tokens");
   o.baselines = field<bool>(opt, "baselines");
   o.deterministic = field<bool>(opt, "deterministic");
+  o.early_start = field<bool>(opt, "early_start");
   o.seed = field<uint64_t>(opt, "seed");
   o.json = field<std::string>(opt, "json");
   o.work_dir = field<std::string>(opt, "work_dir");

@@ -91,6 +91,7 @@ int run_ep_loopback_bench(const EpBenchOptions& opt) {
   cfg.world_size = R;
   cfg.max_tokens_per_rank = ep_max_tokens_per_rank(opt);
   cfg.timeout_seconds = opt.ep_timeout;
+  cfg.early_start = opt.early_start;
   std::vector<MoeEpLayer> ranks;
   size_t bytes_per_rank = 0;
   for (int r = 0; r < R; ++r) {

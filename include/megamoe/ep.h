@@ -55,6 +55,10 @@ struct EpConfig {
   // The GEMMs' arithmetic on every rank: MoeProblem::precision of the rank's plans, validated the
   // same way (a precision no GPU kernel serves makes create() throw kUnsupported).
   Precision precision = Precision::kW4a16;
+  // Whether the local experts may start early (MoeTuning::early_start: the heuristic decides
+  // where; with a rank's tiny batch of received rows the GEMM starts before the dispatch ends).
+  // false never does, e.g. to measure what it gains.
+  bool early_start = true;
 };
 
 // The routed experts rank `rank` owns: [first, first + count). Throws megamoe::Error

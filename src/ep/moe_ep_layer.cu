@@ -149,6 +149,7 @@ std::shared_ptr<EpGroup::Impl> make_group(const EpConfig& config, int64_t hidden
   g->hidden = hidden_size;
   g->top_k = top_k;
   g->tuning = tuning;
+  if (!config.early_start) g->tuning.early_start = false;
   check_cuda(cudaSetDevice(config.device), "cudaSetDevice");
   if (config.world_size == 1) return g;  // the single-GPU layer: nothing to exchange
 
@@ -285,8 +286,7 @@ MoeEpLayer MoeEpLayer::make(const EpGroup& group, const Shape& shape, bool deter
   }
 
   // The rank's own experts, on the rows that arrive from every rank (fp32 out). Gated
-  // (run_gated): deterministic, so that no accumulator of R * max_t rows is zeroed per run, and
-  // without early start, whose schedule needs the ids at launch.
+  // (run_gated): deterministic, so that no accumulator of R * max_t rows is zeroed per run.
   MoeProblem rp;
   rp.hidden_size = H;
   rp.intermediate_size = shape.inter;
@@ -296,9 +296,7 @@ MoeEpLayer MoeEpLayer::make(const EpGroup& group, const Shape& shape, bool deter
   rp.swiglu_limit = shape.swiglu_limit;
   rp.deterministic = true;
   rp.precision = config.precision;
-  MoeTuning routed_tuning = g.tuning;
-  routed_tuning.early_start = false;
-  m.routed_plan = MoePlan::create(rp, routed_tuning);
+  m.routed_plan = MoePlan::create(rp, g.tuning);
 
   // The shared expert on the rank's own tokens: a one-expert layer, every token's weight 1.
   if (shape.shared_inter > 0) {
@@ -521,6 +519,7 @@ void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const S
         reinterpret_cast<const unsigned long long*>(g.transport->peers().flags[g.cfg.rank] + ep::kRecvCountWord);
     gated.gate.epoch = &g.state->epoch;
     gated.gate.rows = &g.state->rows;
+    gated.gate.published = &g.state->gate_rows;
     gated.gate.failure = p.failure;
     gated.hint = std::min<int64_t>(std::max<int64_t>(args.tokens, 1), local.tokens);
     runtime::run_gated(*m.routed_plan, *m.routed_weights, local, gated, stream);

@@ -73,8 +73,10 @@ struct GatedTokens {
   int64_t hint = 0;
 };
 
-// run() on gated tokens: the plan must be deterministic with early start off
-// (MoeTuning::early_start = false). Internal: the expert-parallel layer's local experts.
+// run() on gated tokens: the plan must be deterministic (no accumulator of the bound's rows to
+// zero per run). Early start, where the plan's configuration for `hint` has it, runs in the fused
+// launch when the rows that arrive make a tiny batch and gate.published is set. Internal: the
+// expert-parallel layer's local experts.
 void run_gated(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs& args,
                const GatedTokens& gated, cudaStream_t stream);
 

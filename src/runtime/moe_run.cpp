@@ -63,8 +63,7 @@ namespace runtime {
 void run_gated(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs& args, const GatedTokens& gated,
                cudaStream_t stream) {
   const MoeProblem& p = plan.problem();
-  MEGAMOE_CHECK(p.deterministic && plan.tuning().early_start == std::optional<bool>(false), kInternal,
-                "run_gated: the plan must be deterministic with early start off");
+  MEGAMOE_CHECK(p.deterministic, kInternal, "run_gated: the plan must be deterministic");
   MEGAMOE_CHECK(gated.gate.words != nullptr && gated.gate.count != nullptr && gated.gate.epoch != nullptr &&
                     gated.gate.rows != nullptr && gated.gate.failure.failed != nullptr,
                 kInternal, "run_gated: an incomplete token gate");

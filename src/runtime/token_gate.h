@@ -30,7 +30,19 @@ struct TokenGate {
   const unsigned long long* count = nullptr;
   const uint64_t* epoch = nullptr;  // the run waits for epoch *epoch + 1
   int32_t* rows = nullptr;          // where the gate stores the rows it let through (the combine reads them)
+  // Optional: {epoch, rows} (the signal words' format), stored once the dispatch has settled the
+  // rows, for GEMM CTAs that start before the dispatch ends (early start); null if none do.
+  uint64_t* published = nullptr;
   SignalFailure failure;
+};
+
+// What an early-starting GEMM CTA waits on: the dispatch's published {epoch, rows}. The dispatch
+// always publishes (0 rows where its own bounded wait failed), so the wait ends; the timeout
+// only guards that invariant.
+struct GateRows {
+  const uint64_t* published = nullptr;
+  const uint64_t* epoch = nullptr;  // the run's epoch is *epoch + 1
+  uint64_t timeout_ns = 0;
 };
 
 }  // namespace megamoe::runtime

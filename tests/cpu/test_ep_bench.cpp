@@ -110,6 +110,7 @@ TEST(EpBenchOptions, RankSetupRoundTripsThroughJson) {
   s.options.check_tokens = 7;
   s.options.baselines = false;
   s.options.deterministic = true;
+  s.options.early_start = false;
   s.options.seed = 0xFFFFFFFFFFFFFFF1ull;  // above 2^63: must stay exact
   s.options.json = "/tmp/out.json";
   s.options.work_dir = "/tmp/w";
@@ -126,6 +127,7 @@ TEST(EpBenchOptions, RankSetupRoundTripsThroughJson) {
   EXPECT_EQ(t.options.seed, s.options.seed);
   EXPECT_EQ(t.options.tokens_per_rank, s.options.tokens_per_rank);
   EXPECT_EQ(t.options.deterministic, true);
+  EXPECT_EQ(t.options.early_start, false);
   EXPECT_EQ(t.bench_comm_id, s.bench_comm_id);
   nlohmann::json broken = j;
   broken["options"].erase("iters");

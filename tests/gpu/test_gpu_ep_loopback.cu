@@ -106,7 +106,8 @@ struct LoopbackLayer {
   EpLoopback loopback;
   std::vector<MoeEpLayer> ranks;
 
-  LoopbackLayer(const MoeLayer& layer, int R, int64_t max_t, bool deterministic, double timeout = 60.0)
+  LoopbackLayer(const MoeLayer& layer, int R, int64_t max_t, bool deterministic, double timeout = 60.0,
+                bool early_start = true)
       : loopback(EpLoopback::create(R)) {
     for (int r = 0; r < R; ++r) {
       EpConfig cfg;
@@ -114,6 +115,7 @@ struct LoopbackLayer {
       cfg.rank = r;
       cfg.max_tokens_per_rank = max_t;
       cfg.timeout_seconds = timeout;
+      cfg.early_start = early_start;
       const EpExpertRange range = ep_expert_range(layer.num_experts, R, r);
       ranks.push_back(MoeEpLayer::create(ep_local_layer(layer, range), layer.num_experts, cfg, loopback,
                                          deterministic));
@@ -439,6 +441,86 @@ TEST(GpuEpLoopback, LayerOverHeldWeightsIsTheUploadedLayer) {
   HeldExperts two(std::vector<ExpertWeights>(layer.experts.begin(), layer.experts.begin() + 2), H);
   EXPECT_MEGAMOE_ERROR(MoeEpLayer::create(EpLocalWeights{routed.prepack(), two.prepack()}, o, group),
                        kInvalidArgument, "the shared weights must be a one-expert layer");
+}
+
+// The local experts' configuration for a rank's run of `hint` tokens (MoeEpLayer configures its
+// gated plan so): the rank's experts, deterministic, the bound R * max_t, the rank's SM share.
+std::string local_config(const MoeLayer& layer, int R, int64_t max_t, int sms, int64_t hint) {
+  MoeProblem p;
+  p.hidden_size = layer.hidden_size;
+  p.intermediate_size = layer.intermediate_size;
+  p.num_experts = layer.num_experts / R;
+  p.top_k = layer.routing.top_k;
+  p.max_tokens = R * max_t;
+  p.deterministic = true;
+  MoeTuning tuning;
+  tuning.num_sms = sms;
+  return MoePlan::create(p, tuning).describe(hint);
+}
+
+// Early start on gated rows (docs/design.md §7): the GEMM CTAs schedule their first items from
+// the received ids while the dispatch runs, where the rows that arrived make a tiny batch (at most
+// 32 valid ids among at most 256), and wait for the dispatch otherwise. Bitwise the output of the
+// same layer with early start off, and the reference's, for batches on both sides of the limit:
+// one token per rank (most received ids are other ranks', so the batch is compacted), up to 4
+// per rank (near the limit), and every token on one rank's experts (not tiny). Each with a bound
+// R * max_t * k that the one-CTA dispatch serves and one that needs the two-kernel dispatch.
+TEST(GpuEpLoopback, EarlyStartOnGatedRowsIsBitwiseTheSame) {
+  MEGAMOE_REQUIRE_GPU();
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
+  const int64_t H = 256, E = 32;
+  const int k = 8;
+  for (int R : {2, 4, 8}) {
+    if (!loopback_available(R)) continue;
+    const int sms = EpLoopback::create(R).sms_per_rank();
+    // A layer whose local plan runs fused with early start at one token (the waves of L1 items
+    // per rank depend on I and the SM share).
+    int64_t I = 0;
+    for (int64_t candidate : {256, 512, 1024, 2048}) {
+      const std::string c = local_config(testing::random_layer(rng, H, candidate, E, k, 0), R, 8, sms, 1);
+      if (c.find(" fused") != std::string::npos && c.find("early-start") != std::string::npos) {
+        I = candidate;
+        break;
+      }
+    }
+    ASSERT_GT(I, 0) << "R=" << R << ": no test layer runs its local experts fused with early start at T=1";
+    const MoeLayer layer = testing::random_layer(rng, H, I, E, k, 256, 4.0f);
+    const int64_t two_kernel_max_t = 4096 / (R * k) + 1;  // R * max_t * k past the one-CTA dispatch
+    for (int64_t max_t : {int64_t{8}, two_kernel_max_t}) {
+      ASSERT_NE(local_config(layer, R, max_t, sms, 4).find("early-start"), std::string::npos);
+      LoopbackLayer on(layer, R, max_t, /*deterministic=*/true);
+      LoopbackLayer off(layer, R, max_t, /*deterministic=*/true, 60.0, /*early_start=*/false);
+      for (int pattern = 0; pattern < 3; ++pattern) {
+        std::vector<int64_t> tokens(R, pattern == 2 ? 4 : 1);
+        if (pattern == 1) {
+          for (int r = 0; r < R; ++r) tokens[r] = rng.uniform_int(0, 4);
+        }
+        std::vector<RankIo> io = draw_inputs(rng, tokens, H, E, k);
+        if (pattern == 2) {
+          // Every id on rank 0's experts (with repeats): 32 * R valid ids arrive there.
+          for (RankIo& x : io) {
+            for (int32_t& id : x.topk.ids) id = static_cast<int32_t>(rng.uniform_int(0, static_cast<int>(E / R) - 1));
+            x.d_ids->upload(x.topk.ids);
+          }
+        }
+        const std::string what = "R=" + std::to_string(R) + " max_t=" + std::to_string(max_t) +
+                                 (pattern == 0   ? " one token per rank"
+                                  : pattern == 1 ? " 0-4 tokens per rank"
+                                                 : " 4 tokens per rank, all to rank 0 (not tiny)");
+        on.run(io);
+        expect_matches_reference(layer, io, what + ", early start");
+        std::vector<std::vector<uint16_t>> got(R);
+        for (int r = 0; r < R; ++r) {
+          if (tokens[r] > 0) got[r] = io[r].d_out->download();
+        }
+        off.run(io);
+        for (int r = 0; r < R; ++r) {
+          if (tokens[r] > 0) EXPECT_EQ(got[r], io[r].d_out->download()) << what << ": rank " << r;
+        }
+      }
+    }
+  }
 }
 
 // Ranks delayed at random before they run still give the reference's answer.

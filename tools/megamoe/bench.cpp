@@ -48,9 +48,10 @@ bench::EpBenchOptions ep_options(const bench::BenchOptions& b, const EpCli& e, c
   auto given = [&](const char* name) { return app.count(name) > 0; };
   MEGAMOE_CHECK(!given("--tokens"), kInvalidArgument,
                 "bench --ep: --tokens is the single-GPU token list; with --ep give --tokens-per-rank");
-  for (const char* name : {"--fused", "--early-start", "--absorbing-tile"}) {
+  for (const char* name : {"--fused", "--absorbing-tile"}) {
     MEGAMOE_CHECK(!given(name), kInvalidArgument, "bench --ep: ", name,
-                  " overrides the single-GPU heuristic; the expert-parallel layer takes no tuning overrides");
+                  " overrides the single-GPU heuristic; the expert-parallel layer takes no tuning overrides but "
+                  "--early-start off");
   }
   MEGAMOE_CHECK(!given("--warm-ms") || b.warm_ms == 0, kInvalidArgument,
                 "bench --ep: --warm-ms is not supported with --ep (every rank must run the layer the same number "
@@ -69,6 +70,7 @@ bench::EpBenchOptions ep_options(const bench::BenchOptions& b, const EpCli& e, c
   o.check_tokens = b.check_tokens;
   o.baselines = b.baseline;
   o.deterministic = b.deterministic;
+  o.early_start = b.early_start.value_or(true);  // on: where the heuristic starts early, as by default
   o.seed = b.seed;
   o.json = b.json.empty() ? "" : std::filesystem::absolute(b.json).string();
   o.work_dir = b.work_dir;
@@ -199,7 +201,8 @@ Command add_bench_command(CLI::App& parent) {
       ->check(CLI::IsMember({"on", "off"}));
   auto early_start = std::make_shared<std::string>();
   app->add_option("--early-start", *early_start,
-                  "override the heuristic: L1 starts before the dispatch completes (T * top_k <= 32 only)")
+                  "override the heuristic: L1 starts before the dispatch completes (T * top_k <= 32 only); with "
+                  "--ep/--ep-loopback, off keeps the local experts from starting early")
       ->check(CLI::IsMember({"on", "off"}));
   auto absorbing_tile = std::make_shared<std::string>();
   app->add_option("--absorbing-tile", *absorbing_tile,
@@ -235,6 +238,7 @@ Command add_bench_command(CLI::App& parent) {
   app->add_option("--ep-setup", ep->ep_setup)->group("");
   return {app, [opt, fused, early_start, absorbing_tile, ep, app] {
             if (ep->ep_rank >= 0) return run_ep_rank(*ep);
+            if (!early_start->empty()) opt->early_start = *early_start == "on";
             if (app->count("--ep-loopback") > 0) {
               MEGAMOE_CHECK(app->count("--ep") == 0 && app->count("--ep-deadline") == 0, kInvalidArgument,
                             "bench --ep-loopback runs virtual ranks in this process: it takes neither --ep nor "
@@ -252,7 +256,6 @@ Command add_bench_command(CLI::App& parent) {
             }
             if (!fused->empty()) opt->fused = *fused == "on";
             if (!absorbing_tile->empty()) opt->absorbing_tile = *absorbing_tile == "on";
-            if (!early_start->empty()) opt->early_start = *early_start == "on";
             if (bench::run_bench(*opt) != 0) {
               MEGAMOE_FAIL(kInternal, "the accuracy check failed (see above)");
             }

@@ -43,7 +43,9 @@ w4a16_fused_moe_kernel(const W4a16FusedParams p) {
   // published only after it waits for the dispatch (which zeroes ctas_zeroed), and L2 items would
   // wait for every CTA's first mainloop. The host's invariant: past it, L2 items could hang.
   if (early_start && zeroes) __trap();
-  if (early_start) {
+  if (early_start && p.gate.published != nullptr) {
+    detail::early_schedule_gated<kWarpgroups, kBlockN>(p.l1, p.l2, p.gate, early);
+  } else if (early_start) {
     detail::early_schedule<kWarpgroups, kBlockN>(p.l1, p.l2.m_tiles, p.l2.k_splits, early);
   } else if (tid == 0) {
     detail::prefetch_guessed_item<kWarpgroups, kBlockN, kStages>(p.l1, blockIdx.x);

@@ -7,6 +7,8 @@
 #include <cuda_bf16.h>
 #include <cstdint>
 
+#include "runtime/token_gate.h"
+
 namespace megamoe::kernels::sm90 {
 
 // One layout for both GEMMs, each field named for what the GEMM that reads it means by it: the kernels' parameter offsets
@@ -75,6 +77,9 @@ struct W4a16FusedParams {
   W4a16GemmParams l1, l2;     // l1.work_counter hands out the items of both; L1 never splits K
   int32_t* l1_tiles_done;     // (E') L1 items completed per expert, zeroed by the dispatch kernel
   int32_t* ctas_zeroed;       // (1) CTAs done zeroing l1.zero_first, zeroed by the dispatch kernel
+  // Early start on gated rows (early_schedule_gated, sm90_w4a16_scheduler.cuh): where the
+  // dispatch publishes them; gate.published null otherwise.
+  runtime::GateRows gate;
 };
 
 }  // namespace megamoe::kernels::sm90

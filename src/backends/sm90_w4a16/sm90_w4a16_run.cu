@@ -123,7 +123,12 @@ void run_sm90_w4a16(const MoePlan& plan, const Sm90PrepackedWeights& w, const Mo
   const MoeProblem& p = plan.problem();
   // Gated: configured and sized for the tokens expected; the dispatch path for the bound.
   const int64_t expected = gated != nullptr ? std::max<int64_t>(1, gated->hint) : args.tokens;
-  const MoeConfig cfg = moe_config(plan, expected);
+  MoeConfig cfg = moe_config(plan, expected);
+  // Gated rows start early in the fused launch only (early_schedule_gated), with no shared
+  // slices, and where the dispatch publishes its rows.
+  if (gated != nullptr && (!cfg.fused || shared_chunks(p) != 0 || gated->gate.published == nullptr)) {
+    cfg.early_start = false;
+  }
   const WorkspaceLayout layout = workspace_layout(p);
   const PipelineRun r = PipelineRun::make(p, args, layout, cfg.early_start, gated ? &gated->gate : nullptr);
 
@@ -140,6 +145,13 @@ void run_sm90_w4a16(const MoePlan& plan, const Sm90PrepackedWeights& w, const Mo
     f.l2 = g2;
     f.l1_tiles_done = d.counters + kL1DoneCounters;
     f.ctas_zeroed = d.counters + kCtasZeroedCounter;
+    if (gated != nullptr && cfg.early_start) {
+      f.gate.published = gated->gate.published;
+      f.gate.epoch = gated->gate.epoch;
+      // The dispatch publishes within its own bounded wait; twice that and a second more only
+      // catch a broken invariant.
+      f.gate.timeout_ns = 2 * gated->gate.failure.timeout_ns + 1000000000ull;
+    }
     launch_w4a16_fused(cfg, f, {plan.num_sms(), l1_work + l2_work, stream});
   } else {
     launch_w4a16_gemm<true>(cfg.l1, g1, {plan.num_sms(), l1_work, stream});

@@ -9,6 +9,7 @@
 
 #include "kernels/common/ptx_cp_async.cuh"
 #include "kernels/sm90/sm90_moe_tiny_schedule.cuh"
+#include "kernels/sm90/sm90_signal.cuh"
 #include "backends/sm90_w4a16/sm90_w4a16_layout.h"
 #include "backends/sm90_w4a16/sm90_w4a16_params.cuh"
 #include "backends/sm90_w4a16/sm90_w4a16_tile.cuh"
@@ -173,23 +174,19 @@ __device__ __forceinline__ bool starts_early(const W4a16GemmParams& p) {
   }
 }
 
-// The tiny batch's schedule from the top-k ids, exactly as the dispatch kernel publishes it
-// (virtual experts in id order; an expert of c slots has ceil(c / kBlockN) * (m_tiles /
-// kWarpgroups) * k_splits items), and this CTA's first item (blockIdx.x). l2_m_tiles = 0 where
-// no L2 items follow (the two-launch L1 kernel). Every thread calls it: each warp computes the
-// same schedule and warp 0 stores it. (Run by warp 0 alone, behind a tid < 32 branch, it makes
-// ptxas build the L1 mainloop's wgmma descriptors in ordinary instead of uniform registers,
-// which grows every K group: docs/perf/2026-11-21-h100-w4a16-v9.md; tests/sass/check_sass.sh.)
+// The tiny batch's schedule from its selections, one per lane (s; `token` the lane's token),
+// exactly as the dispatch kernel publishes it (virtual experts in id order; an expert of c slots
+// has ceil(c / kBlockN) * (m_tiles / kWarpgroups) * k_splits items), and this CTA's first item
+// (blockIdx.x). l2_m_tiles = 0 where no L2 items follow (the two-launch L1 kernel). Every thread
+// calls it: each warp computes the same schedule and warp 0 stores it. (Run by warp 0 alone,
+// behind a tid < 32 branch, it makes ptxas build the L1 mainloop's wgmma descriptors in ordinary
+// instead of uniform registers, which grows every K group: docs/perf/2026-11-21-h100-w4a16-v9.md;
+// tests/sass/check_sass.sh.)
 template <int kWarpgroups, int kBlockN>
-__device__ __forceinline__ void early_schedule(const W4a16GemmParams& l1, int l2_m_tiles, int l2_k_splits,
-                                               EarlyStart& es) {
+__device__ __forceinline__ void tiny_schedule(const W4a16GemmParams& l1, int l2_m_tiles, int l2_k_splits, int T,
+                                              const TinySelection& s, int token, EarlyStart& es) {
   const int lane = threadIdx.x % 32;
-  const int selections = l1.tokens * l1.top_k, T = l1.tokens, chunks = l1.shared_chunks;
-  // The host's invariant (can_start_early, src/backends/sm90_w4a16/sm90_w4a16_heuristics.cpp; moe_config,
-  // src/backends/sm90_w4a16/sm90_w4a16_backend.cpp), not an input check: past it the map would overflow.
-  if (selections > kTinyMaxSelections || T * (l1.top_k + chunks) > kTinyMaxSlots) __trap();
-  const bool in_range = lane < selections;
-  const TinySelection s = tiny_select(in_range ? l1.topk_ids[lane] : -1, in_range, l1.num_routed);
+  const int chunks = l1.shared_chunks;
   auto items = [](int count, int m_tiles, int k_splits) {
     return (count + kBlockN - 1) / kBlockN * (m_tiles / kWarpgroups) * k_splits;
   };
@@ -197,7 +194,7 @@ __device__ __forceinline__ void early_schedule(const W4a16GemmParams& l1, int l2
   int32_t before[3], total[3];  // (slots, L1 items, L2 items) of the routed experts
   tiny_sum_before(s, v, before, total);
   const bool writer = threadIdx.x < 32;
-  if (writer && s.valid) es.slot_token[before[0] + s.rank] = lane / l1.top_k;
+  if (writer && s.valid) es.slot_token[before[0] + s.rank] = token;
   // Shared slice c holds every token in order: slots total[0] + c * T + t.
   for (int i = lane; writer && i < T * chunks; i += 32) es.slot_token[total[0] + i] = i % T;
   const int shared_l1 = items(T, l1.m_tiles, 1);
@@ -223,6 +220,68 @@ __device__ __forceinline__ void early_schedule(const W4a16GemmParams& l1, int l2
     es.first = WorkItem{expert, local / n_tiles, 0, slot0 + local % n_tiles * kBlockN, slot0 + count, es.slot_token};
     es.l1_items = l1_items;
     es.l2_items = total[2] + chunks * items(T, l2_m_tiles, l2_k_splits);
+  }
+}
+
+// Early start from the top-k ids (T * k <= kTinyMaxSelections: a selection per lane).
+template <int kWarpgroups, int kBlockN>
+__device__ __forceinline__ void early_schedule(const W4a16GemmParams& l1, int l2_m_tiles, int l2_k_splits,
+                                               EarlyStart& es) {
+  const int lane = threadIdx.x % 32;
+  const int selections = l1.tokens * l1.top_k, T = l1.tokens, chunks = l1.shared_chunks;
+  // The host's invariant (can_start_early, src/backends/sm90_w4a16/sm90_w4a16_heuristics.cpp; moe_config,
+  // src/backends/sm90_w4a16/sm90_w4a16_backend.cpp), not an input check: past it the map would overflow.
+  if (selections > kTinyMaxSelections || T * (l1.top_k + chunks) > kTinyMaxSlots) __trap();
+  const bool in_range = lane < selections;
+  const TinySelection s = tiny_select(in_range ? l1.topk_ids[lane] : -1, in_range, l1.num_routed);
+  tiny_schedule<kWarpgroups, kBlockN>(l1, l2_m_tiles, l2_k_splits, T, s, lane / l1.top_k, es);
+}
+
+// Early start on gated rows (runtime/token_gate.h): thread 0 waits for the rows the dispatch's
+// gate let through (its {epoch, rows} word), then the schedule is that of their valid ids
+// (tiny_compact), as the dispatch places them. Where the batch is not tiny (tiny_batch), the CTA
+// waits for the dispatch and takes its first item from the dispatch's schedule: `es` holds the
+// same as above either way, so the kernel has no second path (a flag that stays live across
+// the mainloops costs descriptor copies in every K group: tests/sass/check_sass.sh). The host's
+// invariant: no shared slices (the expert-parallel layer runs its shared expert apart).
+template <int kWarpgroups, int kBlockN>
+__device__ __forceinline__ void early_schedule_gated(const W4a16GemmParams& l1, const W4a16GemmParams& l2,
+                                                     const runtime::GateRows& gate, EarlyStart& es) {
+  __shared__ int32_t rows;
+  if (l1.shared_chunks != 0) __trap();
+  if (threadIdx.x == 0) rows = wait_gate_rows(gate);
+  __syncthreads();
+  const int entries = rows * l1.top_k;
+  const TinyEntry e = tiny_compact(l1.topk_ids, min(entries, kTinyMaxEntries), l1.num_routed);
+  if (tiny_batch(entries, e.valid)) {
+    const bool in_range = static_cast<int>(threadIdx.x % 32) < e.valid;
+    const TinySelection s = tiny_select(e.id, in_range, l1.num_routed);
+    tiny_schedule<kWarpgroups, kBlockN>(l1, l2.m_tiles, l2.k_splits, rows, s, e.entry / l1.top_k, es);
+    return;
+  }
+  // Not tiny: the first item from the dispatch's schedule. Each warp finds its expert with ballots
+  // over the item offsets (decode_work inlined here as well changes ptxas's allocation of the
+  // mainloops: tests/sass/check_sass.sh).
+  static_assert(kTileStep<kBlockN> == kBlockN, "the fused tiles' items are kBlockN tokens wide");
+  grid_dependency_wait();  // the dispatch's schedule from here on
+  const int lane = threadIdx.x % 32, work = static_cast<int>(blockIdx.x);
+  const int l1_items = l1.tile_offsets[l1.num_experts];
+  int expert = -1;
+  for (int e0 = 0; expert < 0 && e0 < l1.num_experts; e0 += 32) {
+    const int e = e0 + lane;
+    const bool here = e < l1.num_experts && l1.tile_offsets[e] <= work && work < l1.tile_offsets[e + 1];
+    const unsigned hit = __ballot_sync(0xffffffffu, here);
+    if (hit != 0) expert = e0 + __ffs(hit) - 1;
+  }
+  if (threadIdx.x == 0) {
+    es.first.expert = -1;
+    if (expert >= 0) {
+      const int slot0 = l1.expert_offsets[expert], count = l1.expert_offsets[expert + 1] - slot0;
+      const int local = work - l1.tile_offsets[expert], n_tiles = (count + kBlockN - 1) / kBlockN;
+      es.first = WorkItem{expert, local / n_tiles, 0, slot0 + local % n_tiles * kBlockN, slot0 + count, l1.slot_token};
+    }
+    es.l1_items = l1_items;
+    es.l2_items = l2.tile_offsets[l2.num_experts];
   }
 }
 

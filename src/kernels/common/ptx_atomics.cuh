@@ -45,6 +45,15 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* ptr) {
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];\n" : "=l"(v) : "l"(ptr) : "memory");
   return v;
 }
+// GPU-scope forms, for words that only this GPU's kernels exchange.
+__device__ __forceinline__ void st_release_gpu(uint64_t* ptr, uint64_t v) {
+  asm volatile("st.release.gpu.global.u64 [%0], %1;\n" :: "l"(ptr), "l"(v) : "memory");
+}
+__device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* ptr) {
+  uint64_t v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(ptr) : "memory");
+  return v;
+}
 // Nanoseconds of the global timer (the same clock on every SM; for timeouts, not for timing).
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;

@@ -34,6 +34,7 @@ struct EpState {
   int32_t rows;                    // rows this rank's gate let through this run
   int32_t failed;                  // SignalFailure::failed
   int32_t invalid[2];              // ids outside [0, E) by the run's parity
+  uint64_t gate_rows;              // {epoch, rows} the gate let through (TokenGate::published)
 };
 
 struct EpExchangeParams {

@@ -89,8 +89,9 @@ __device__ __forceinline__ void block_exclusive_scan3(int32_t (&x)[2][3], int32_
 // Exclusive scans over the virtual experts' (slots, L1 tiles, L2 tiles) from counts[] (shared
 // memory); each thread owns experts 2 * tid and 2 * tid + 1. cursor[] (shared memory) receives
 // the slot offsets; with `publish`, the offsets and the tile prefixes are written to the
-// workspace (one CTA per dispatch does that). Ends with a barrier (cursor[] complete).
-__device__ __forceinline__ void scan_offsets(const DispatchParams& p, ScanStorage& storage, const int32_t* counts,
+// workspace (one CTA per dispatch does that). Ends with a barrier (cursor[] complete). Returns
+// the slots of all virtual experts.
+__device__ __forceinline__ int32_t scan_offsets(const DispatchParams& p, ScanStorage& storage, const int32_t* counts,
                                              int32_t* cursor, bool publish) {
   const int tid = threadIdx.x;
   const int num_virtual = p.num_experts + p.shared_chunks;
@@ -123,6 +124,7 @@ __device__ __forceinline__ void scan_offsets(const DispatchParams& p, ScanStorag
     p.l2_tile_offsets[num_virtual] = total[2];
   }
   __syncthreads();
+  return total[0];
 }
 
 // Counts one selection of expert e in counts[] (shared memory), or in invalid when e is outside
@@ -180,6 +182,20 @@ __device__ __forceinline__ void place_shared(const DispatchParams& p, int t0, in
   }
 }
 
+// A gated tiny batch of more than 32 ids (tiny_batch; most ids -1: other ranks' experts), by one
+// warp: its valid selections at the slots the L1 GEMM's early start expects (tiny_compact),
+// invalid ones marked -1 in token_slot.
+__device__ __forceinline__ void place_tiny_compacted(const DispatchParams& p, int64_t items, const int32_t* cursor) {
+  const TinyEntry e = tiny_compact(p.topk_ids, static_cast<int>(items), p.num_experts);
+  const int lane = threadIdx.x % 32;
+  const TinySelection s = tiny_select(e.id, lane < e.valid, p.num_experts);
+  if (s.valid) store_selection(p, e.entry, cursor[s.expert] + s.rank, p.topk_weights[e.entry], workspace_slots(p));
+  for (int64_t i = lane; i < items; i += 32) {
+    const int32_t id = p.topk_ids[i];
+    if (id < 0 || id >= p.num_experts) store_selection(p, i, -1, 0.0f, workspace_slots(p));
+  }
+}
+
 }  // namespace dispatch_detail
 
 // One CTA, up to kDispatchSingleCtaItems selections: the counts live in shared memory, so the
@@ -211,7 +227,10 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(Dispa
   const int tid = threadIdx.x;
   const int num_virtual = p.num_experts + p.shared_chunks;
   int32_t T = p.tokens;
-  if constexpr (kGated) T = gate_tokens(p.gate, p.tokens);
+  if constexpr (kGated) {
+    T = gate_tokens(p.gate, p.tokens);
+    if (tid == 0) publish_gate_rows(p.gate, T);
+  }
   const int64_t items = static_cast<int64_t>(T) * p.top_k;
   // Every selection is cached in registers: the host runs this kernel only up to
   // kDispatchSingleCtaItems selections (the multi-CTA pair below). An internal invariant, not an
@@ -258,6 +277,8 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(Dispa
                                          dispatch_detail::workspace_slots(p));
       }
     }
+  } else if (kGated && tiny_batch(items, items - invalid)) {
+    if (tid < 32) dispatch_detail::place_tiny_compacted(p, items, cursor);
   } else if (items <= kDispatchThreads) {
     // One selection per thread: one round of scattered stores; staging them measured slower
     // (Qwen3-30B T=8, 64 selections: 70.5 -> 71.1 us; neutral at 512).
@@ -330,6 +351,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_place_kernel
   if constexpr (kGated) {
     // The count kernel's gate; none of its rows where any of its CTAs failed (they counted none).
     T = signal_failed(p.gate.failure) ? 0 : *reinterpret_cast<const volatile int32_t*>(p.gate.rows);
+    if (blockIdx.x == 0 && tid == 0) publish_gate_rows(p.gate, T);
   }
   const int num_virtual = p.num_experts + p.shared_chunks;
   const bool publish = blockIdx.x == 0;
@@ -359,7 +381,8 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_place_kernel
     }
   }
   __syncthreads();
-  dispatch_detail::scan_offsets(p, scan_storage, counts, cursor, publish);
+  const int32_t slots = dispatch_detail::scan_offsets(p, scan_storage, counts, cursor, publish);
+  const int32_t valid = slots - T * p.shared_chunks;  // the routed selections
 #pragma unroll
   for (int j = 0; j < 2; ++j) {
     if (2 * tid + j < p.num_experts) cursor[2 * tid + j] += before[j];
@@ -367,9 +390,16 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_place_kernel
   __syncthreads();
   const int t0 = blockIdx.x * p.tokens_per_cta;
   const int t1 = max(t0, min(T, t0 + p.tokens_per_cta));
-  const int64_t end = static_cast<int64_t>(t1) * p.top_k;
-  for (int64_t i = static_cast<int64_t>(t0) * p.top_k + tid; i < end; i += kDispatchThreads) {
-    dispatch_detail::place_selection(p, i, p.topk_ids[i], p.topk_weights[i], cursor, dispatch_detail::workspace_slots(p));
+  const int64_t items = static_cast<int64_t>(T) * p.top_k;
+  // A gated tiny batch: CTA 0 places all of it where the L1 GEMM's early start expects it (every
+  // CTA scanned the same counts).
+  if (kGated && tiny_batch(items, valid)) {
+    if (blockIdx.x == 0 && tid < 32) dispatch_detail::place_tiny_compacted(p, items, cursor);
+  } else {
+    const int64_t end = static_cast<int64_t>(t1) * p.top_k;
+    for (int64_t i = static_cast<int64_t>(t0) * p.top_k + tid; i < end; i += kDispatchThreads) {
+      dispatch_detail::place_selection(p, i, p.topk_ids[i], p.topk_weights[i], cursor, dispatch_detail::workspace_slots(p));
+    }
   }
   // The shared slices' cursors were not advanced: they hold the slices' offsets.
   dispatch_detail::place_shared(p, t0, t1, cursor);

@@ -10,6 +10,11 @@
 //     docs/perf/2026-11-21-h200-w4a16-v7.md), against a ~1 us load of the ids.
 // The order is the dispatch's: virtual experts by id (routed experts 0..E-1, then the shared
 // slices), slots of an expert in selection order, invalid ids (outside [0, E)) not placed.
+//
+// A gated batch (rows that other ranks send, runtime/token_gate.h) is tiny when it holds at most
+// 32 valid selections among at most kTinyMaxEntries ids (most of a received row's ids belong to
+// other ranks: -1): tiny_compact moves the valid ones into lanes, in selection order, and the
+// schedule is the same function of them.
 #pragma once
 
 #include <climits>
@@ -24,6 +29,48 @@ inline constexpr int kTinyMaxSelections = 32;
 // Early start also holds the slot -> token map in shared memory: at most this many slots
 // (T * (k + shared slices)).
 inline constexpr int kTinyMaxSlots = 64;
+
+// Up to this many ids (rows * k) a gated batch may be tiny: eight 32-id loads per warp.
+inline constexpr int kTinyMaxEntries = 256;
+
+// Whether a batch of `entries` ids of which `valid` are in [0, E) runs the tiny schedule.
+__host__ __device__ constexpr bool tiny_batch(int64_t entries, int64_t valid) {
+  return entries <= kTinyMaxEntries && valid <= kTinyMaxSelections;
+}
+
+// A lane's selection after tiny_compact: its id and its index among the batch's ids (token
+// entry / k), for lanes below `valid`.
+struct TinyEntry {
+  int32_t id;
+  int32_t entry;
+  int32_t valid;  // the batch's valid ids (every lane the same); > kTinyMaxSelections: not tiny
+};
+
+// Every lane of the warp calls this (full mask), for entries <= kTinyMaxEntries: lane L gets the
+// L-th id in [0, E) of ids[0, entries), in entry order. The loads are issued together.
+__device__ __forceinline__ TinyEntry tiny_compact(const int32_t* ids, int entries, int32_t num_experts) {
+  constexpr int kChunks = kTinyMaxEntries / 32;
+  const int lane = threadIdx.x % 32;
+  int32_t id[kChunks];
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) id[c] = 32 * c + lane < entries ? ids[32 * c + lane] : -1;
+  TinyEntry out{-1, 0, 0};
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const unsigned valid = __ballot_sync(0xffffffffu, id[c] >= 0 && id[c] < num_experts);
+    // Lane L takes the (L - found)-th valid id of this chunk, where there is one.
+    const int want = lane - out.valid;
+    const bool mine = want >= 0 && want < __popc(valid);
+    const int src = mine ? static_cast<int>(__fns(valid, 0, want + 1)) : 0;
+    const int32_t got = __shfl_sync(0xffffffffu, id[c], src);
+    if (mine) {
+      out.id = got;
+      out.entry = 32 * c + src;
+    }
+    out.valid += __popc(valid);
+  }
+  return out;
+}
 
 // One lane's routed selection, within its expert.
 struct TinySelection {

@@ -92,6 +92,29 @@ __device__ __forceinline__ int64_t wait_signal_words(const uint64_t* words, int 
   }
 }
 
+// One thread of the dispatch, once the run's rows are settled: publishes them to early-starting
+// GEMM CTAs (GateRows), released after the gate's acquire of the producers' words, so that a CTA
+// that acquires this word also sees the rows (causality order).
+__device__ __forceinline__ void publish_gate_rows(const runtime::TokenGate& g, int32_t rows) {
+  if (g.published == nullptr) return;
+  const uint64_t epoch = *reinterpret_cast<const volatile uint64_t*>(g.epoch) + 1;
+  ptx::st_release_gpu(g.published, signal_word(epoch, static_cast<uint32_t>(rows)));
+}
+
+// One thread of an early-starting GEMM CTA: the rows the dispatch published for this run. A
+// timeout breaks the invariant that the dispatch, running before this grid, always publishes:
+// the kernel traps rather than schedule rows it never saw.
+__device__ __forceinline__ int32_t wait_gate_rows(const runtime::GateRows& g) {
+  const uint64_t want = (*reinterpret_cast<const volatile uint64_t*>(g.epoch) + 1) & 0x7fffffffu;
+  const uint64_t start = ptx::global_timer_ns();
+  for (;;) {
+    const uint64_t seen = ptx::ld_acquire_gpu(g.published);
+    if ((seen >> 32) == want) return static_cast<int32_t>(static_cast<uint32_t>(seen));
+    if (ptx::global_timer_ns() - start > g.timeout_ns) __trap();
+    __nanosleep(32);
+  }
+}
+
 // The dispatch's gate (every thread of the CTA calls it; one waits): the rows the run takes, at
 // most `bound`; 0 where the wait failed (the layer's outputs are then undefined, and the failure
 // is reported by the host's check). Ends with a barrier.

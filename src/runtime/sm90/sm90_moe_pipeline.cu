@@ -14,8 +14,7 @@ namespace k90 = kernels::sm90;
 
 PipelineRun PipelineRun::make(const MoeProblem& problem, const MoeRunArgs& args, const WorkspaceLayout& layout,
                               bool early_start, const TokenGate* gate) {
-  MEGAMOE_CHECK(gate == nullptr || (problem.deterministic && !early_start), kInternal,
-                "a gated run needs a deterministic plan without early start");
+  MEGAMOE_CHECK(gate == nullptr || problem.deterministic, kInternal, "a gated run needs a deterministic plan");
   return PipelineRun{problem,
                      args,
                      layout,
