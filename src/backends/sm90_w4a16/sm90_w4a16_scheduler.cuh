@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "kernels/common/pdl.cuh"
 #include "kernels/common/ptx_cp_async.cuh"
 #include "kernels/sm90/sm90_moe_tiny_schedule.cuh"
 #include "kernels/sm90/sm90_signal.cuh"
