@@ -469,7 +469,7 @@ TEST(GpuEpLoopback, EarlyStartOnGatedRowsIsBitwiseTheSame) {
   MEGAMOE_REQUIRE_GPU();
   const testing::SeedTrace seed;
   testing::Rng rng(seed);
-  const int64_t H = 256, E = 32;
+  const int64_t H = 256, E = 64;  // at least k experts per rank at R = 8
   const int k = 8;
   for (int R : {2, 4, 8}) {
     if (!loopback_available(R)) continue;
