@@ -382,11 +382,11 @@ TEST(GpuW4a8Rescale, PrepackedOnDeviceEqualsHost) {
   testing::Rng rng(seed);
   const int64_t H = 128, I = 64;
   MoeLayer layer = testing::random_layer(rng, H, I, 5, 2, 2 * I, std::nullopt, {testing::ScaleCodes::kUpToRandomTop});
-  // An all-zero tensor (k = 0) and one of subnormal scales (k = -15).
+  // An all-zero tensor (k = 0) and one whose largest scale is 2^-9 (k = -15).
   for (const auto [expert, all_zero] : {std::pair<int, bool>{1, true}, {3, false}}) {
     const Nvfp4Linear& up = layer.experts[static_cast<size_t>(expert)].up;
     std::vector<uint8_t> s(static_cast<size_t>(up.out_features * up.in_features / 16));
-    for (uint8_t& b : s) b = all_zero ? 0 : static_cast<uint8_t>(rng() % 8);
+    for (uint8_t& b : s) b = all_zero ? 0 : static_cast<uint8_t>(rng() % 2);
     layer.experts[static_cast<size_t>(expert)].up =
         make_owned_linear(up.out_features, up.in_features,
                           std::vector<uint8_t>(up.weight, up.weight + up.out_features * up.in_features / 2), std::move(s),
