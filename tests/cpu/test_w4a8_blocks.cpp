@@ -5,6 +5,7 @@
 // paths themselves: tests/gpu/test_gpu_w4a8_blocks.cu.
 #include <gtest/gtest.h>
 
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstdint>
@@ -82,29 +83,31 @@ TEST(W4a8Layout, CodePairsAreE2m1TimesTwoToTheMinus14InF16) {
   }
 }
 
+// The scale word of a quad: row r0 holds (a, b) for steps (2i, 2i + 1), row r1 (b, a).
+uint32_t scale_word(uint8_t a, uint8_t b) {
+  const uint8_t ea = w4a16::encode_scale(a), eb = w4a16::encode_scale(b);
+  return w4a16::scale_half(ea, eb) | static_cast<uint32_t>(w4a16::scale_half(eb, ea)) << 16;
+}
+
 TEST(W4a8Layout, ScalePairsAreTheScaleTimesTwoToTheNineMinusK) {
   for (int k = w4a8::kMinRescaleExponent; k <= w4a8::kMaxRescaleExponent; ++k) {
+    const uint32_t addend = w4a8::scale_exponent_addend(k);
     for (int a = 0; a <= 0x7E; ++a) {
       for (const int b : {0, 0x01, 0x37, 0x38, a, 0x7E - a}) {
-        if (!scale_fits(static_cast<uint8_t>(a), k) || !scale_fits(static_cast<uint8_t>(b), k)) continue;
-        // Row r0 holds (a, b) for steps (2i, 2i + 1), row r1 (b, a).
-        const uint32_t word =
-            w4a16::scale_half(w4a16::encode_scale(static_cast<uint8_t>(a)), w4a16::encode_scale(static_cast<uint8_t>(b))) |
-            static_cast<uint32_t>(w4a16::scale_half(w4a16::encode_scale(static_cast<uint8_t>(b)),
-                                                    w4a16::encode_scale(static_cast<uint8_t>(a))))
-                << 16;
-        const uint32_t addend = w4a8::scale_exponent_addend(k);
-        const uint32_t even = w4a8::f16_scale_pair<0>(word, addend), odd = w4a8::f16_scale_pair<1>(word, addend);
-        const uint8_t want[2][2] = {{static_cast<uint8_t>(a), static_cast<uint8_t>(b)},
-                                    {static_cast<uint8_t>(b), static_cast<uint8_t>(a)}};  // [step][row]
-        for (int row = 0; row < 2; ++row) {
-          for (int step = 0; step < 2; ++step) {
-            const uint16_t half = static_cast<uint16_t>((step ? odd : even) >> (16 * row));
-            const uint8_t s = want[step][row];
-            SCOPED_TRACE(::testing::Message() << "k " << k << ", scale byte " << int(s) << ", row " << row
-                                              << ", step " << step);
-            ASSERT_TRUE(std::isfinite(f16_to_f32(half)));
-            if (s != 0) ASSERT_EQ(f16_to_f32(half), std::ldexp(format::e4m3_to_f32(s), 9 - k));
+        const uint8_t at[2][2] = {{static_cast<uint8_t>(a), static_cast<uint8_t>(b)},
+                                  {static_cast<uint8_t>(b), static_cast<uint8_t>(a)}};  // [step][row]
+        if (!scale_fits(at[0][0], k) || !scale_fits(at[0][1], k)) continue;
+        const uint32_t word = scale_word(at[0][0], at[1][0]);
+        const uint32_t pairs[2] = {w4a8::f16_scale_pair<0>(word, addend), w4a8::f16_scale_pair<1>(word, addend)};
+        for (int step = 0; step < 2; ++step) {
+          for (int row = 0; row < 2; ++row) {
+            const float got = f16_to_f32(static_cast<uint16_t>(pairs[step] >> (16 * row)));
+            const uint8_t s = at[step][row];
+            ASSERT_TRUE(std::isfinite(got)) << "k " << k << ", scale byte " << int(s);
+            if (s != 0) {
+              ASSERT_EQ(got, std::ldexp(format::e4m3_to_f32(s), 9 - k))
+                  << "k " << k << ", scale byte " << int(s) << ", row " << row << ", step " << step;
+            }
           }
         }
       }
@@ -118,18 +121,19 @@ TEST(W4a8Layout, ScalePairsAreTheScaleTimesTwoToTheNineMinusK) {
 TEST(W4a8Layout, F16ProductsAreExactAndRoundToTheDefinedWeight) {
   for (int k = w4a8::kMinRescaleExponent; k <= w4a8::kMaxRescaleExponent; ++k) {
     for (int s = 0; s <= 0x7E; ++s) {
-      if (!scale_fits(static_cast<uint8_t>(s), k)) continue;
-      const uint32_t word = w4a16::scale_half(w4a16::encode_scale(static_cast<uint8_t>(s)), 0);
-      const float scale = f16_to_f32(static_cast<uint16_t>(w4a8::f16_scale_pair<0>(word, w4a8::scale_exponent_addend(k))));
+      const uint8_t byte = static_cast<uint8_t>(s);
+      if (!scale_fits(byte, k)) continue;
+      const uint32_t pair = w4a8::f16_scale_pair<0>(scale_word(byte, 0), w4a8::scale_exponent_addend(k));
+      const float scale = f16_to_f32(static_cast<uint16_t>(pair));
       // The prepack stores the codes of a zero-scale block as 0 (sm90_w4a16_layout.h).
-      for (int code = 0; code < (s == 0 ? 1 : 16); ++code) {
-        SCOPED_TRACE(::testing::Message() << "k " << k << ", scale byte " << s << ", code " << code);
-        const float e2m1 = std::ldexp(format::e2m1_to_f32(static_cast<uint8_t>(code)), -14);
-        const float first = e2m1 * scale;  // exact in fp32: 2 + 4 significant bits
+      for (int c = 0; c < (s == 0 ? 1 : 16); ++c) {
+        const uint8_t code = static_cast<uint8_t>(c);
+        SCOPED_TRACE(::testing::Message() << "k " << k << ", scale byte " << s << ", code " << c);
+        const float first = std::ldexp(format::e2m1_to_f32(code), -14) * scale;  // exact in fp32: 2 + 4 bits
         ASSERT_EQ(f16_to_f32(f32_to_f16(first)), first) << "e2m1 * s * 2^(-5-k) is not an f16";
         const float second = first * 32.0f;
         ASSERT_EQ(f16_to_f32(f32_to_f16(second)), second);
-        ASSERT_EQ(format::f64_to_e4m3(second), format::w4a8_weight_e4m3(static_cast<uint8_t>(code), static_cast<uint8_t>(s), k));
+        ASSERT_EQ(format::f64_to_e4m3(second), format::w4a8_weight_e4m3(code, byte, k));
       }
     }
   }
@@ -161,13 +165,20 @@ TEST(W4a8ActQuant, ExponentFromTheBitsIsTheDefinition) {
 
 // ---- the rescale exponents k of a layer
 
+std::vector<uint8_t> scales_of(const Nvfp4Linear& lin) {
+  return {lin.weight_scale, lin.weight_scale + lin.out_features * lin.in_features / 16};
+}
+// `lin` with other block scales: the same codes and global scale.
+Nvfp4Linear with_scales(const Nvfp4Linear& lin, std::vector<uint8_t> scales) {
+  std::vector<uint8_t> codes(lin.weight, lin.weight + lin.out_features * lin.in_features / 2);
+  return make_owned_linear(lin.out_features, lin.in_features, std::move(codes), std::move(scales),
+                           lin.weight_scale_2);
+}
+
 std::array<int, 3> format_exponents(const ExpertWeights& ex) {
   std::array<int, 3> k{};
   const Nvfp4Linear* lin[3] = {&ex.gate, &ex.up, &ex.down};
-  for (int p = 0; p < 3; ++p) {
-    k[static_cast<size_t>(p)] = format::w4a8_weight_rescale_exponent(
-        {lin[p]->weight_scale, static_cast<size_t>(lin[p]->out_features * lin[p]->in_features / 16)});
-  }
+  for (size_t p = 0; p < 3; ++p) k[p] = format::w4a8_weight_rescale_exponent(scales_of(*lin[p]));
   return k;
 }
 
@@ -175,23 +186,20 @@ TEST(W4a8Rescale, HostExponentsAreEachTensorsOwn) {
   const testing::SeedTrace seed;
   testing::Rng rng(seed);
   // The largest scale drawn per tensor, so that k differs between tensors and projections.
-  MoeLayer layer = testing::random_layer(rng, 128, 64, 6, 2, 128, std::nullopt, {testing::ScaleCodes::kUpToRandomTop});
-  // One all-zero tensor (k = 0) and one whose largest scale is subnormal (k = -15).
-  const Nvfp4Linear& up = layer.experts[1].up;
-  layer.experts[1].up = make_owned_linear(up.out_features, up.in_features,
-                                          std::vector<uint8_t>(up.weight, up.weight + up.out_features * up.in_features / 2),
-                                          std::vector<uint8_t>(static_cast<size_t>(up.out_features * up.in_features / 16), 0),
-                                          up.weight_scale_2);
-  const Nvfp4Linear& down = layer.experts[2].down;
-  std::vector<uint8_t> tiny(static_cast<size_t>(down.out_features * down.in_features / 16));
+  MoeLayer layer =
+      testing::random_layer(rng, 128, 64, 6, 2, 128, std::nullopt, {testing::ScaleCodes::kUpToRandomTop});
+  // One all-zero tensor (k = 0) and one whose largest scale is 2^-9 (k = -15).
+  std::vector<uint8_t> zero = scales_of(layer.experts[1].up), tiny = scales_of(layer.experts[2].down);
+  for (uint8_t& s : zero) s = 0;
   for (uint8_t& s : tiny) s = static_cast<uint8_t>(rng() % 2);
-  layer.experts[2].down = make_owned_linear(down.out_features, down.in_features,
-                                            std::vector<uint8_t>(down.weight, down.weight + down.out_features * down.in_features / 2),
-                                            std::move(tiny), down.weight_scale_2);
+  layer.experts[1].up = with_scales(layer.experts[1].up, std::move(zero));
+  layer.experts[2].down = with_scales(layer.experts[2].down, std::move(tiny));
 
   const runtime::W4a8RescaleExponents k = runtime::w4a8_rescale_exponents(layer);
   ASSERT_EQ(k.routed.size(), layer.experts.size());
-  for (size_t e = 0; e < layer.experts.size(); ++e) EXPECT_EQ(k.routed[e], format_exponents(layer.experts[e])) << "expert " << e;
+  for (size_t e = 0; e < layer.experts.size(); ++e) {
+    EXPECT_EQ(k.routed[e], format_exponents(layer.experts[e])) << "expert " << e;
+  }
   EXPECT_EQ(k.shared, format_exponents(*layer.shared_expert));
   EXPECT_EQ(k.routed[1][1], 0);
   EXPECT_EQ(k.routed[2][2], -15);
@@ -204,12 +212,9 @@ TEST(W4a8Rescale, HostRejectsAnInvalidScaleNamingIt) {
   const testing::SeedTrace seed;
   testing::Rng rng(seed);
   MoeLayer layer = testing::random_layer(rng, 128, 64, 3, 2);
-  const Nvfp4Linear& gate = layer.experts[2].gate;  // [64, 128]: 8 blocks per row
-  std::vector<uint8_t> scales(gate.weight_scale, gate.weight_scale + gate.out_features * gate.in_features / 16);
-  scales[5 * 8 + 3] = 0xB8;  // -1.0
-  layer.experts[2].gate = make_owned_linear(gate.out_features, gate.in_features,
-                                            std::vector<uint8_t>(gate.weight, gate.weight + gate.out_features * gate.in_features / 2),
-                                            std::move(scales), gate.weight_scale_2);
+  std::vector<uint8_t> scales = scales_of(layer.experts[2].gate);  // [64, 128]: 8 blocks per row
+  scales[5 * 8 + 3] = 0xB8;                                        // -1.0
+  layer.experts[2].gate = with_scales(layer.experts[2].gate, std::move(scales));
   EXPECT_MEGAMOE_ERROR(runtime::w4a8_rescale_exponents(layer), kInvalidArgument, "expert 2's gate", "[5, 3]", "0xB8");
 }
 

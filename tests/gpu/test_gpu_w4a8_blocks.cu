@@ -133,8 +133,8 @@ TEST(GpuW4a8Decode, EveryScaleCodeAndRescaleExponentIsTheDefinedWeight) {
     // block holds all 16 codes, in an order that depends on the row and the block.
     const std::vector<uint8_t> valid = scales_for(k);
     std::vector<uint8_t> codes(kRows * kK / 2), scales(kRows * kK / 16);
+    for (size_t b = 0; b < scales.size(); ++b) scales[b] = valid[b % valid.size()];
     for (int r = 0; r < kRows; ++r) {
-      for (int b = 0; b < kK / 16; ++b) scales[static_cast<size_t>(r * (kK / 16) + b)] = valid[(r * (kK / 16) + b) % valid.size()];
       for (int kk = 0; kk < kK; ++kk) {
         const uint8_t code = static_cast<uint8_t>((kk % 16 + 3 * r + 5 * (kk / 16)) % 16);
         uint8_t& byte = codes[static_cast<size_t>(r * (kK / 2) + kk / 2)];
@@ -143,14 +143,16 @@ TEST(GpuW4a8Decode, EveryScaleCodeAndRescaleExponentIsTheDefinedWeight) {
     }
     const Tile tile(codes, scales);
     int64_t mismatches = 0;
-    for_each_fragment_byte(decode_on_device(tile, k), [&](FragmentByte at, uint8_t got, int f, int tid, int reg, int byte) {
-      const uint8_t want = format::w4a8_weight_e4m3(tile.code(at.row, at.k), tile.scale(at.row, at.k), k);
+    const auto check = [&](FragmentByte at, uint8_t got, int f, int tid, int reg, int byte) {
+      const uint8_t code = tile.code(at.row, at.k), scale = tile.scale(at.row, at.k);
+      const uint8_t want = format::w4a8_weight_e4m3(code, scale, k);
       if (got != want && ++mismatches <= 8) {
-        ADD_FAILURE() << "fragment " << f << ", thread " << tid << ", register " << reg << ", byte " << byte << " (row "
-                      << at.row << ", k " << at.k << "): code " << int(tile.code(at.row, at.k)) << ", scale byte 0x"
-                      << std::hex << int(tile.scale(at.row, at.k)) << ": got 0x" << int(got) << ", want 0x" << int(want);
+        ADD_FAILURE() << "fragment " << f << ", thread " << tid << ", register " << reg << ", byte " << byte
+                      << " (row " << at.row << ", k " << at.k << "): code " << int(code) << ", scale byte 0x"
+                      << std::hex << int(scale) << ": got 0x" << int(got) << ", want 0x" << int(want);
       }
-    });
+    };
+    for_each_fragment_byte(decode_on_device(tile, k), check);
     ASSERT_EQ(mismatches, 0);
   }
 }
@@ -173,16 +175,17 @@ TEST(GpuW4a8Decode, EveryRegisterByteHoldsItsFragmentElement) {
     std::vector<uint8_t> codes(kRows * kK / 2);
     for (int r = 0; r < kRows; ++r) {
       for (int k = 0; k < kK; k += 2) {
-        codes[static_cast<size_t>(r * (kK / 2) + k / 2)] = static_cast<uint8_t>(digit(d, r, k) | digit(d, r, k + 1) << 4);
+        codes[static_cast<size_t>(r * (kK / 2) + k / 2)] =
+            static_cast<uint8_t>(digit(d, r, k) | digit(d, r, k + 1) << 4);
       }
     }
     runs.push_back(decode_on_device(Tile(codes, std::vector<uint8_t>(kRows * kK / 16, 0x38)), 3));
   }
   for (size_t i = 0; i < runs[0].size(); ++i) {
     int d[5];
-    for (int r = 0; r < 5; ++r) {
-      d[r] = digit_of_byte[runs[static_cast<size_t>(r)][i]];
-      ASSERT_GE(d[r], 0) << "byte " << i << " of run " << r << " is 0x" << std::hex << int(runs[static_cast<size_t>(r)][i]);
+    for (size_t r = 0; r < 5; ++r) {
+      d[r] = digit_of_byte[runs[r][i]];
+      ASSERT_GE(d[r], 0) << "byte " << i << " of run " << r << " is 0x" << std::hex << int(runs[r][i]);
     }
     const int reg_byte = static_cast<int>(i % 16);
     const int tid = static_cast<int>(i / 16 % 128), f = static_cast<int>(i / 16 / 128);
@@ -199,8 +202,8 @@ TEST(GpuW4a8Decode, EveryRegisterByteHoldsItsFragmentElement) {
 
 constexpr int kTokens = 16;
 
-__global__ void __launch_bounds__(128) wgmma_kernel(const uint8_t* codes, const uint8_t* scales, uint32_t exponent_addend,
-                                                    const uint8_t* act, float* out) {
+__global__ void __launch_bounds__(128) wgmma_kernel(const uint8_t* codes, const uint8_t* scales,
+                                                    uint32_t exponent_addend, const uint8_t* act, float* out) {
   __shared__ __align__(1024) uint8_t b_tile[kTokens * kK];
   const int tid = static_cast<int>(threadIdx.x);
   // Row n's 16-byte chunk c goes to chunk c ^ (n % 8) (SW128; one row of 128 bytes per token).
@@ -220,10 +223,10 @@ __global__ void __launch_bounds__(128) wgmma_kernel(const uint8_t* codes, const 
   float d[8] = {};
   const uint64_t desc = kernels::ptx::make_sw128_desc(b_tile);
   kernels::ptx::wgmma_fence();
+  using Mma = cute::SM90::GMMA::MMA_64x16x32_F32E4M3E4M3_RS_TN<>;
   for (int f = 0; f < kFragments; ++f) {
     // k32 step f starts 32 bytes further into each swizzled row (16-byte units in the descriptor).
-    cute::SM90::GMMA::MMA_64x16x32_F32E4M3E4M3_RS_TN<>::fma(a[f][0], a[f][1], a[f][2], a[f][3], desc + 2 * f, d[0], d[1],
-                                                            d[2], d[3], d[4], d[5], d[6], d[7]);
+    Mma::fma(a[f][0], a[f][1], a[f][2], a[f][3], desc + 2 * f, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]);
   }
   kernels::ptx::wgmma_commit();
   kernels::ptx::wgmma_wait_all();
@@ -248,8 +251,8 @@ TEST(GpuW4a8Decode, FragmentsAndActivationCodesFeedTheFp8Wgmma) {
   DeviceBuffer<uint16_t> d_hidden(hidden);
   DeviceBuffer<uint8_t> d_act(static_cast<size_t>(kTokens * kK));
   DeviceBuffer<int32_t> d_exp(kTokens);
-  w4a8::quantize_act_kernel<<<1, 128>>>(reinterpret_cast<const __nv_bfloat16*>(d_hidden.get()), kTokens, kK, d_act.get(),
-                                        d_exp.get());
+  const auto* hidden_bf16 = reinterpret_cast<const __nv_bfloat16*>(d_hidden.get());
+  w4a8::quantize_act_kernel<<<1, 128>>>(hidden_bf16, kTokens, kK, d_act.get(), d_exp.get());
   DeviceBuffer<uint8_t> d_codes(tile.packed_codes), d_scales(tile.packed_scales);
   DeviceBuffer<float> d_out(static_cast<size_t>(kRows * kTokens));
   d_out.poison();
@@ -266,16 +269,17 @@ TEST(GpuW4a8Decode, FragmentsAndActivationCodesFeedTheFp8Wgmma) {
     for (int n = 0; n < kTokens; ++n) {
       double sum = 0.0, magnitude = 0.0;
       for (int kk = 0; kk < kK; ++kk) {
-        const double term = static_cast<double>(format::e4m3_to_f32(format::w4a8_weight_e4m3(tile.code(m, kk), tile.scale(m, kk), k))) *
-                            format::e4m3_to_f32(q[static_cast<size_t>(n * kK + kk)]);
+        const uint8_t w = format::w4a8_weight_e4m3(tile.code(m, kk), tile.scale(m, kk), k);
+        const double term =
+            static_cast<double>(format::e4m3_to_f32(w)) * format::e4m3_to_f32(q[static_cast<size_t>(n * kK + kk)]);
         sum += term;
         magnitude += std::fabs(term);
       }
       // The fp8 MMA adds its exact products with a limited internal precision (docs/w4a8.md §4):
       // 2^-10 of the terms' magnitude is far above that and far below any misplaced element.
       const double g = got[static_cast<size_t>(m * kTokens + n)];
-      ASSERT_LE(std::fabs(g - sum), std::ldexp(magnitude, -10) + 1e-30) << "row " << m << ", token " << n << ": got " << g
-                                                                         << ", want " << sum;
+      ASSERT_LE(std::fabs(g - sum), std::ldexp(magnitude, -10) + 1e-30)
+          << "row " << m << ", token " << n << ": got " << g << ", want " << sum;
     }
   }
 }
@@ -291,7 +295,8 @@ void expect_act_quant_matches(const std::vector<T>& x, const std::vector<double>
   d_codes.poison();      // 0xFF: NaN, never a code (satfinite)
   d_exp.poison(0x80);    // 0x80808080: no exponent
   using Device = std::conditional_t<std::is_same_v<T, uint16_t>, __nv_bfloat16, float>;
-  w4a8::quantize_act_kernel<<<3, 256>>>(reinterpret_cast<const Device*>(d_x.get()), rows, cols, d_codes.get(), d_exp.get());
+  const auto* x_device = reinterpret_cast<const Device*>(d_x.get());
+  w4a8::quantize_act_kernel<<<3, 256>>>(x_device, rows, cols, d_codes.get(), d_exp.get());
   gpu::check_cuda(cudaDeviceSynchronize(), "quantize_act_kernel");
   const std::vector<uint8_t> codes = d_codes.download();
   const std::vector<int32_t> exps = d_exp.download();
@@ -317,13 +322,15 @@ enum class Block { kNormal, kMixed, kTiny, kSubnormal, kZero, kSignedZero, kAtBo
 double block_value(testing::Rng& rng, Block kind, int i, int exponent) {
   switch (kind) {
     case Block::kNormal: return std::ldexp(rng.normal(), exponent);
-    case Block::kMixed: return std::ldexp(rng.normal(), exponent + rng.uniform_int(-24, 0));  // under 2^-9 of the max: flushed
+    case Block::kMixed:  // down to 2^-24 of the largest: onto e4m3's subnormals and flushed
+      return std::ldexp(rng.normal(), exponent + rng.uniform_int(-24, 0));
     case Block::kTiny: return std::ldexp(rng.normal(), -118);
-    case Block::kSubnormal: return std::ldexp(rng.uniform_int(-127, 127), -133);  // bf16 subnormals, amax below 2^-126
+    case Block::kSubnormal: return std::ldexp(rng.uniform_int(-127, 127), -133);  // bf16 subnormals: the clamp
     case Block::kZero: return 0.0;
     case Block::kSignedZero: return i % 3 == 0 ? -0.0 : 0.0;
-    case Block::kAtBoundary: return i == 7 ? std::ldexp(448.0, exponent) * (rng.uniform_int(0, 1) ? 1.0 : 1.0 + 1.0 / 128)
-                                           : std::ldexp(rng.normal(), exponent);
+    case Block::kAtBoundary:  // amax 448 * 2^e exactly, or the next bf16 above it
+      if (i != 7) return std::ldexp(rng.normal(), exponent);
+      return std::ldexp(448.0, exponent) * (rng.uniform_int(0, 1) ? 1.0 : 1.0 + 1.0 / 128);
     case Block::kHuge: return std::ldexp(rng.normal(), 120);
   }
   return 0.0;
@@ -366,7 +373,7 @@ TEST(GpuW4a8ActQuant, Fp32RowsAreTheDefinedCodesAndExponents) {
           break;
         case 2: v = std::bit_cast<float>(static_cast<uint32_t>(rng()) & 0x807FFFFFu); break;  // subnormal, any sign
         case 3: v = static_cast<float>(std::ldexp(rng.normal(), exponent + rng.uniform_int(-30, 0))); break;
-        default: v = i == 0 ? static_cast<float>(std::ldexp(448.0, exponent)) : static_cast<float>(std::ldexp(rng.normal(), exponent)); break;
+        default: v = static_cast<float>(std::ldexp(i == 0 ? 448.0 : rng.normal(), exponent)); break;
       }
       x[b + static_cast<size_t>(i)] = v;
     }
@@ -383,14 +390,13 @@ TEST(GpuW4a8Rescale, PrepackedOnDeviceEqualsHost) {
   const int64_t H = 128, I = 64;
   MoeLayer layer = testing::random_layer(rng, H, I, 5, 2, 2 * I, std::nullopt, {testing::ScaleCodes::kUpToRandomTop});
   // An all-zero tensor (k = 0) and one whose largest scale is 2^-9 (k = -15).
-  for (const auto [expert, all_zero] : {std::pair<int, bool>{1, true}, {3, false}}) {
-    const Nvfp4Linear& up = layer.experts[static_cast<size_t>(expert)].up;
-    std::vector<uint8_t> s(static_cast<size_t>(up.out_features * up.in_features / 16));
-    for (uint8_t& b : s) b = all_zero ? 0 : static_cast<uint8_t>(rng() % 2);
-    layer.experts[static_cast<size_t>(expert)].up =
-        make_owned_linear(up.out_features, up.in_features,
-                          std::vector<uint8_t>(up.weight, up.weight + up.out_features * up.in_features / 2), std::move(s),
-                          up.weight_scale_2);
+  for (const auto [expert, all_zero] : {std::pair<size_t, bool>{1, true}, {3, false}}) {
+    const Nvfp4Linear& up = layer.experts[expert].up;
+    std::vector<uint8_t> codes(up.weight, up.weight + up.out_features * up.in_features / 2);
+    std::vector<uint8_t> scales(static_cast<size_t>(up.out_features * up.in_features / 16));
+    for (uint8_t& b : scales) b = all_zero ? 0 : static_cast<uint8_t>(rng() % 2);
+    layer.experts[expert].up =
+        make_owned_linear(up.out_features, up.in_features, std::move(codes), std::move(scales), up.weight_scale_2);
   }
   const auto weights = runtime::upload_sm90_prepacked(layer, nullptr);
   const MoeProblem shape = MoeProblem::from_layer(layer, 1);
@@ -407,8 +413,9 @@ TEST(GpuW4a8Rescale, PrepackedOnDeviceEqualsHost) {
   const uint16_t bad_half = w4a16::scale_half(0x05, 0);
   uint8_t* at = weights->w13_scales + 4 * weights->w13_scale_stride + 2;
   gpu::check_cuda(cudaMemcpy(at, &bad_half, sizeof(bad_half), cudaMemcpyHostToDevice), "cudaMemcpy");
-  EXPECT_MEGAMOE_ERROR(runtime::w4a8_rescale_exponents_prepacked(shape, weights->w13_scales, weights->w2_scales, nullptr),
-                       kInvalidArgument, "w13", "expert 4", "up rows", "0x05");
+  EXPECT_MEGAMOE_ERROR(
+      runtime::w4a8_rescale_exponents_prepacked(shape, weights->w13_scales, weights->w2_scales, nullptr),
+      kInvalidArgument, "w13", "expert 4", "up rows", "0x05");
 }
 
 }  // namespace

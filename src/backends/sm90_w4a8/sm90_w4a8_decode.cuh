@@ -72,8 +72,10 @@ __device__ __forceinline__ uint32_t f16x2x2_to_e4m3x4(uint32_t lo, uint32_t hi) 
 // One step word with its f16 scale pair -> the e4m3x4 registers of rows r0 (bytes a0, a1, a4, a5)
 // and r1 (a2, a3, a6, a7).
 __device__ __forceinline__ void decode_step_e4m3(uint32_t word, uint32_t scale, uint32_t& row0, uint32_t& row1) {
-  row0 = f16x2x2_to_e4m3x4(scaled_pair<0>(f16_code_pair(word, 0), scale), scaled_pair<0>(f16_code_pair(word, 2), scale));
-  row1 = f16x2x2_to_e4m3x4(scaled_pair<1>(f16_code_pair(word, 1), scale), scaled_pair<1>(f16_code_pair(word, 3), scale));
+  row0 = f16x2x2_to_e4m3x4(scaled_pair<0>(f16_code_pair(word, 0), scale),
+                           scaled_pair<0>(f16_code_pair(word, 2), scale));
+  row1 = f16x2x2_to_e4m3x4(scaled_pair<1>(f16_code_pair(word, 1), scale),
+                           scaled_pair<1>(f16_code_pair(word, 3), scale));
 }
 
 // One k32 step: the step words of k16 steps 2i and 2i + 1 of a chunk, their scale word i

@@ -64,10 +64,11 @@ constexpr uint32_t scale_exponent_addend(int k) { return static_cast<uint32_t>(3
 constexpr uint32_t f16_code_pair(uint32_t word, int j) {
   constexpr uint32_t kF16Bits = 0x8E008E00u;  // sign, e1, e0, m of both halves
   switch (j) {
-    case 0: return ((((word << 10) | (word >> 22)) & 0x81C081C0u) * 9u) & kF16Bits;  // x (1 + 2^3)
+    case 0: return ((((word << 10) | (word >> 22)) & 0x81C081C0u) * 9u) & kF16Bits;  // rotate, x (1 + 2^3)
     case 1: return ((word & 0x81C081C0u) * 9u) & kF16Bits;                            // x (1 + 2^3)
     case 2: return ((word & 0x081C081Cu) * 144u) & kF16Bits;                          // x (2^4 + 2^7)
-    default: return (((word & 0x02030203u) * 576u) & 0x86008600u) | ((word << 1) & 0x08000800u);  // x (2^6 + 2^9), e1 << 1
+    default:  // sign, e0, m: x (2^6 + 2^9); e1: << 1
+      return (((word & 0x02030203u) * 576u) & 0x86008600u) | ((word << 1) & 0x08000800u);
   }
 }
 

@@ -37,8 +37,8 @@ __device__ __forceinline__ void scan_half(uint32_t half, uint32_t& largest, uint
 
 // blockIdx.y: the virtual expert. W13 words hold the gate row in their low half and the up row in
 // the high half (rows 16w + g and 16w + g + 8 of a tile: w13_is_up_row); W2 words two down rows.
-__global__ void __launch_bounds__(kThreads) prepacked_scale_extrema_kernel(const uint4* scales, int64_t vectors_per_expert,
-                                                                          bool w13, uint32_t* out) {
+__global__ void __launch_bounds__(kThreads)
+    prepacked_scale_extrema_kernel(const uint4* scales, int64_t vectors_per_expert, bool w13, uint32_t* out) {
   const uint4* expert = scales + static_cast<int64_t>(blockIdx.y) * vectors_per_expert;
   uint32_t largest[2] = {0, 0}, inverse_smallest[2] = {0, 0};
   for (int64_t i = blockIdx.x * static_cast<int64_t>(kThreads) + threadIdx.x; i < vectors_per_expert;
@@ -77,9 +77,10 @@ uint8_t largest_scale(uint32_t largest, uint32_t inverse_smallest, const char* k
   if (bad != 0) {
     char hex[8];
     std::snprintf(hex, sizeof(hex), "0x%02X", bad);
+    const bool shared = expert >= routed;
     MEGAMOE_FAIL(kInvalidArgument, "w4a8_rescale_exponents_prepacked: the ", kind, " scales of ",
-                 expert < routed ? "expert " : "the shared expert's slice ", expert < routed ? expert : expert - routed,
-                 " (", kProjections[projection], " rows) hold the byte ", hex,
+                 shared ? "the shared expert's slice " : "expert ", shared ? expert - routed : expert, " (",
+                 kProjections[projection], " rows) hold the byte ", hex,
                  ", which no ue4m3 scale encodes to (sm90_w4a16_layout.h, encode_scale): these are not "
                  "prepacked weights.");
   }
@@ -129,7 +130,8 @@ W4a8RescaleExponents w4a8_rescale_exponents_prepacked(const MoeProblem& shape, c
       const uint32_t* x = host.data() + (v * 3 + p) * kExtrema;
       const uint8_t largest = largest_scale(x[0], x[1], p < 2 ? "w13" : "w2", v, E, p);
       if (v < E) {
-        out.routed[static_cast<size_t>(v)][static_cast<size_t>(p)] = format::w4a8_weight_rescale_exponent({&largest, 1});
+        out.routed[static_cast<size_t>(v)][static_cast<size_t>(p)] =
+            format::w4a8_weight_rescale_exponent({&largest, 1});
       } else {
         shared_largest[static_cast<size_t>(p)] = std::max(shared_largest[static_cast<size_t>(p)], largest);
       }
