@@ -39,8 +39,7 @@
 
 namespace megamoe::kernels::sm90::w4a8 {
 
-inline constexpr int kFragmentK = 32;  // K of one fp8 wgmma (one A fragment)
-inline constexpr int kKPermutationSpan = 16;  // the K permutation stays within aligned 16s
+inline constexpr int kFragmentK = 32;            // K of one fp8 wgmma (one A fragment)
 inline constexpr int kMinRescaleExponent = -15;  // k of a tensor whose largest scale is 2^-9
 inline constexpr int kMaxRescaleExponent = 3;    // k of a tensor whose largest scale is >= 320
 
