@@ -10,6 +10,9 @@
 
 namespace megamoe::runtime {
 
+#if MEGAMOE_BACKEND_SM90_W4A8
+const MoeBackend& sm90_w4a8_backend();
+#endif
 #if MEGAMOE_BACKEND_SM90_W4A16
 const MoeBackend& sm90_w4a16_backend();
 #endif
@@ -19,6 +22,9 @@ namespace {
 // kAuto asks rows in this order: per architecture, lossy rows before the exact one.
 std::vector<const MoeBackend*> make_table() {
   std::vector<const MoeBackend*> rows;
+#if MEGAMOE_BACKEND_SM90_W4A8
+  rows.push_back(&sm90_w4a8_backend());
+#endif
 #if MEGAMOE_BACKEND_SM90_W4A16
   rows.push_back(&sm90_w4a16_backend());
 #endif
