@@ -76,12 +76,16 @@ const MoeBackend& weights_backend(Arch arch) {
 }
 
 const MoeBackend& layout_backend(const std::string& layout) {
+  // The exact row of the layout where there is one: every row reading it can unprepack it, and
+  // the exact row validates every shape the layout holds (a lossy row may allow fewer).
+  const MoeBackend* found = nullptr;
   std::string built;
   for (const MoeBackend* row : table()) {
-    if (row->weight_layout() == layout) return *row;
+    if (row->weight_layout() == layout && (found == nullptr || row->precision() == Precision::kW4a16)) found = row;
     const std::string name = row->weight_layout();
     if (built.find(name) == std::string::npos) built += (built.empty() ? "" : ", ") + name;
   }
+  if (found != nullptr) return *found;
   MEGAMOE_FAIL(kInvalidArgument, "weight layout \"", layout, "\" is not one of this build's (",
                built.empty() ? std::string("none") : built, ").");
 }
