@@ -133,7 +133,8 @@ std::string built_backends();
 // The row that uploads weights for `arch` (every row of an arch reads its layout); throws
 // megamoe::Error(kUnsupported) naming the built rows where there is none.
 const MoeBackend& weights_backend(Arch arch);
-// A row whose weight_layout() is `layout` (every row reading a layout can unprepack it); throws
+// The exact row whose weight_layout() is `layout`, else another that reads it (every row reading a
+// layout can unprepack it); throws
 // megamoe::Error(kInvalidArgument) naming the built layouts where there is none.
 const MoeBackend& layout_backend(const std::string& layout);
 

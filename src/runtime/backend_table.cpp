@@ -10,6 +10,9 @@
 
 namespace megamoe::runtime {
 
+#if MEGAMOE_BACKEND_SM90_W4A8
+const MoeBackend& sm90_w4a8_backend();
+#endif
 #if MEGAMOE_BACKEND_SM90_W4A16
 const MoeBackend& sm90_w4a16_backend();
 #endif
@@ -19,6 +22,9 @@ namespace {
 // kAuto asks rows in this order: per architecture, lossy rows before the exact one.
 std::vector<const MoeBackend*> make_table() {
   std::vector<const MoeBackend*> rows;
+#if MEGAMOE_BACKEND_SM90_W4A8
+  rows.push_back(&sm90_w4a8_backend());
+#endif
 #if MEGAMOE_BACKEND_SM90_W4A16
   rows.push_back(&sm90_w4a16_backend());
 #endif
@@ -70,12 +76,16 @@ const MoeBackend& weights_backend(Arch arch) {
 }
 
 const MoeBackend& layout_backend(const std::string& layout) {
+  // The exact row of the layout where there is one: every row reading it can unprepack it, and
+  // the exact row validates every shape the layout holds (a lossy row may allow fewer).
+  const MoeBackend* found = nullptr;
   std::string built;
   for (const MoeBackend* row : table()) {
-    if (row->weight_layout() == layout) return *row;
+    if (row->weight_layout() == layout && (found == nullptr || row->precision() == Precision::kW4a16)) found = row;
     const std::string name = row->weight_layout();
     if (built.find(name) == std::string::npos) built += (built.empty() ? "" : ", ") + name;
   }
+  if (found != nullptr) return *found;
   MEGAMOE_FAIL(kInvalidArgument, "weight layout \"", layout, "\" is not one of this build's (",
                built.empty() ? std::string("none") : built, ").");
 }

@@ -56,8 +56,26 @@ std::vector<const MoeBackend*> resolve_backends(const MoeProblem& p, Arch arch, 
                  upper, " numerics can be computed on the CPU with `megamoe reference --precision ",
                  precision_name(p.precision), "`");
   }
-  for (const MoeBackend* row : rows) row->validate(p);
-  return rows;
+  if (p.precision != Precision::kAuto) {
+    rows.front()->validate(p);
+    return rows;
+  }
+  // kAuto keeps the lossy rows that can run the problem; the exact row must.
+  std::vector<const MoeBackend*> usable;
+  for (const MoeBackend* row : rows) {
+    if (row->precision() == Precision::kW4a16) {
+      row->validate(p);
+      usable.push_back(row);
+      continue;
+    }
+    try {
+      row->validate(p);
+    } catch (const Error&) {
+      continue;  // a lossy row that cannot run this problem leaves kAuto to the others
+    }
+    usable.push_back(row);
+  }
+  return usable;
 }
 
 const MoeBackend& PlanAccess::backend(const MoePlan& plan, int64_t tokens) {

@@ -452,9 +452,9 @@ TEST(GpuMoe, RejectsBadProblems) {
   EXPECT_THROW(MoePlan::create(p), Error);
 }
 
-// Precision: w4a8 has no GPU kernel in this build, so the plan refuses it with a message that
-// names the exact path and the CPU emulation; auto resolves to w4a16 at every T (visible in
-// describe) and gives the w4a16 plan's output bit for bit.
+// Precision: until the w4a8/sm_90 row is enabled (issue 44: its GPU tests, test_gpu_w4a8_moe.cpp)
+// the plan refuses w4a8 with a message that names the exact path and the CPU emulation; auto
+// resolves to w4a16 at every T (visible in describe) and gives the w4a16 plan's output bit for bit.
 TEST(GpuMoe, PrecisionW4a8IsRefusedAndAutoRunsW4a16) {
   MEGAMOE_REQUIRE_GPU();
   const testing::SeedTrace seed;
@@ -462,8 +462,16 @@ TEST(GpuMoe, PrecisionW4a8IsRefusedAndAutoRunsW4a16) {
   const MoeLayer layer = testing::random_layer(rng, 256, 128, 8, 2);
   MoeProblem p = MoeProblem::from_layer(layer, 64);
   p.precision = Precision::kW4a8;
-  EXPECT_MEGAMOE_ERROR(MoePlan::create(p), kUnsupported, "w4a8", "no W4A8 GPU kernel", "w4a16",
-                       "megamoe reference --precision w4a8");
+  bool w4a8_enabled = true;
+  try {
+    MoePlan::create(p);
+  } catch (const Error&) {
+    w4a8_enabled = false;
+  }
+  if (!w4a8_enabled) {
+    EXPECT_MEGAMOE_ERROR(MoePlan::create(p), kUnsupported, "w4a8", "not enabled", "GPU tests", "w4a16",
+                         "megamoe reference --precision w4a8");
+  }
   GpuMoe gpu(layer, 64, /*deterministic=*/true);
   const MoePlan exact = gpu.plan;
   EXPECT_EQ(exact.resolved_precision(64), Precision::kW4a16);

@@ -397,8 +397,9 @@ void check_in_place(int64_t H, int64_t I, int64_t E, int k, int64_t shared_I, in
   EXPECT_FALSE(copied.weights.views_caller_memory());
   EXPECT_EQ(std::string(in_place.weights.layout()), prepacked_layout());
   const int64_t virtual_experts = E + shared_I / I;
-  EXPECT_EQ(in_place.weights.device_bytes(), static_cast<size_t>(3 * virtual_experts) * sizeof(float))
-      << "a layer prepacked in place allocates its global scales only";
+  // [3][E'] global scales, and the W4A8 row's [3][E'] rescaled scales and [2][E'] decode constants.
+  EXPECT_EQ(in_place.weights.device_bytes(), static_cast<size_t>(8 * virtual_experts) * 4)
+      << "a layer prepacked in place allocates its global scales and W4A8 constants only";
   EXPECT_FALSE(joint.download().w13 == host.w13) << "the caller's w13 holds the prepacked layout";
 
   const auto hidden = testing::random_hidden(rng, T, H);

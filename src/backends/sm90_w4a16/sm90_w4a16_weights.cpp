@@ -2,6 +2,8 @@
 // checkpoint's bits, reshuffled) and uploaded once.
 #include <algorithm>
 #include <array>
+#include <cmath>
+#include <cstring>
 #include <exception>
 #include <thread>
 #include <vector>
@@ -9,6 +11,8 @@
 #include "backends/sm90_w4a16/sm90_w4a16_weights.h"
 
 #include "backends/sm90_w4a16/sm90_w4a16_prepack.h"
+#include "backends/sm90_w4a8/sm90_w4a8_layout.h"
+#include "backends/sm90_w4a8/sm90_w4a8_rescale.h"
 #include "megamoe/gpu.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
@@ -26,6 +30,7 @@ Sm90PrepackedWeights::~Sm90PrepackedWeights() {
     }
   }
   if (s2) cudaFree(s2);
+  if (w4a8_s2) cudaFree(w4a8_s2);
 }
 
 namespace {
@@ -58,6 +63,10 @@ std::unique_ptr<Sm90PrepackedWeights> make_weights(const MoeProblem& shape, cons
   check_cuda(cudaMalloc(reinterpret_cast<void**>(&w.s2), static_cast<size_t>(3 * EV) * sizeof(float)),
              "cudaMalloc(global scales)");
   w.bytes += static_cast<size_t>(3 * EV) * sizeof(float);
+  check_cuda(cudaMalloc(reinterpret_cast<void**>(&w.w4a8_s2), static_cast<size_t>(5 * EV) * 4),
+             "cudaMalloc(W4A8 constants)");
+  w.w4a8_addends = reinterpret_cast<uint32_t*>(w.w4a8_s2 + 3 * EV);
+  w.bytes += static_cast<size_t>(5 * EV) * 4;
   return out;
 }
 
@@ -75,12 +84,36 @@ void upload_scales(Sm90PrepackedWeights& w, const MoeProblem& shape, const Globa
   check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize(global scales)");
 }
 
+// The W4A8 constants from the global scales and each tensor's k.
+void upload_w4a8_constants(Sm90PrepackedWeights& w, const MoeProblem& shape, const GlobalScales& scales,
+                           const W4a8RescaleExponents& k, cudaStream_t stream) {
+  namespace w4a8 = kernels::sm90::w4a8;
+  const int64_t E = shape.num_experts, EV = virtual_experts(shape);
+  std::vector<uint32_t> host(static_cast<size_t>(5 * EV));
+  for (int64_t v = 0; v < EV; ++v) {
+    const std::array<float, 3>& s2 = v < E ? scales.routed[static_cast<size_t>(v)] : scales.shared;
+    const std::array<int, 3>& kv = v < E ? k.routed[static_cast<size_t>(v)] : k.shared;
+    for (int j = 0; j < 3; ++j) {
+      const float folded = std::ldexp(s2[static_cast<size_t>(j)], kv[static_cast<size_t>(j)]);  // exact
+      std::memcpy(&host[static_cast<size_t>(j * EV + v)], &folded, 4);
+    }
+    host[static_cast<size_t>(3 * EV + v)] =
+        (w4a8::scale_exponent_addend(kv[0]) & 0xFFFFu) | (w4a8::scale_exponent_addend(kv[1]) & 0xFFFF0000u);
+    host[static_cast<size_t>(4 * EV + v)] = w4a8::scale_exponent_addend(kv[2]);
+  }
+  check_cuda(cudaMemcpyAsync(w.w4a8_s2, host.data(), host.size() * 4, cudaMemcpyHostToDevice, stream),
+             "cudaMemcpyAsync(W4A8 constants)");
+  check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize(W4A8 constants)");  // pageable source
+}
+
 }  // namespace
 
 std::unique_ptr<Sm90PrepackedWeights> view_sm90_prepacked(const MoeProblem& shape, const WeightStorage& at,
                                                           const GlobalScales& scales, cudaStream_t stream) {
   auto out = make_weights(shape, &at);
   upload_scales(*out, shape, scales, stream);
+  upload_w4a8_constants(*out, shape, scales, w4a8_rescale_exponents_prepacked(shape, at.w13_scales, at.w2_scales, stream),
+                        stream);
   return out;
 }
 
@@ -157,6 +190,8 @@ std::unique_ptr<Sm90PrepackedWeights> upload_sm90_prepacked(const MoeLayer& laye
     // its DMA lands: wait, so neither the next batch nor a kernel on another stream races it.
     check_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize(weight upload)");
   }
+  // After the prepack, which has checked every scale byte.
+  upload_w4a8_constants(w, shape, scales, w4a8_rescale_exponents(layer), stream);
   return out;
 }
 

@@ -20,6 +20,12 @@ struct Sm90PrepackedWeights final : BackendWeights {
   uint8_t* w2_codes = nullptr;
   uint8_t* w2_scales = nullptr;
   float* s2 = nullptr;  // [3][E']: gate, up, down
+  // What the W4A8 row reads beside the same bytes (docs/w4a8.md §3), derived with them: k depends
+  // on a whole tensor's scales, so it is found once here, not per run. [3][E'] s2 * 2^k of gate,
+  // up, down; [2][E'] the decode's scale constants of W13 (gate rows in each pair's low half, up
+  // rows in its high half) and of W2 (sm90_w4a8_layout.h: scale_exponent_addend). One allocation.
+  float* w4a8_s2 = nullptr;
+  uint32_t* w4a8_addends = nullptr;
   int64_t w13_code_stride = 0, w13_scale_stride = 0, w2_code_stride = 0, w2_scale_stride = 0;
   size_t bytes = 0;      // device memory allocated here
   bool borrowed = false;  // the four code/scale buffers are the caller's (upload_into, view)

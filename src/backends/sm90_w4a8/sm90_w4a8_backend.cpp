@@ -1,0 +1,77 @@
+// The (sm_90, w4a8) row of the backend table: NVFP4 weights converted to e4m3 in registers,
+// activations quantized to e4m3 per 128 of K, fp8 wgmma (docs/w4a8.md). It reads the W4A16 row's
+// prepacked weights (one copy serves both precisions) and shares the sm90 dispatch and combine.
+#include <mutex>
+
+#include "backends/sm90_w4a16/sm90_w4a16_weights.h"
+#include "backends/sm90_w4a8/sm90_w4a8_run.h"
+#include "megamoe/status.h"
+#include "runtime/backend.h"
+#include "runtime/sm90/sm90_moe_pipeline.h"
+#include "runtime/sm90/sm90_moe_workspace.h"
+
+namespace megamoe::runtime {
+namespace {
+
+class Sm90W4a8Backend final : public MoeBackend {
+ public:
+  Arch arch() const override { return 90; }
+  Precision precision() const override { return Precision::kW4a8; }
+  // Not measured against W4A16 yet (issue 44): auto stays exact.
+  bool auto_accepts(const MoeProblem&, int64_t) const override { return false; }
+  void validate(const MoeProblem& problem) const override {
+#if !MEGAMOE_W4A8_UNVERIFIED
+    MEGAMOE_FAIL(kUnsupported, "MoePlan: precision w4a8 is not enabled on sm_90: its kernels are built but their GPU "
+                 "tests have not passed yet (issue 44; configure with -DMEGAMOE_W4A8_UNVERIFIED=ON to run them). Use "
+                 "w4a16, the exact path (the default), or auto; the W4A8 numerics can be computed on the CPU with "
+                 "`megamoe reference --precision w4a8`");
+#endif
+    validate_sm90_w4a8_problem(problem);
+  }
+  size_t workspace_bytes(const MoeProblem& problem) const override { return w4a8_workspace_layout(problem).total; }
+  std::string describe_config(const MoePlan& plan, int64_t tokens) const override {
+    return w4a8_config(plan.problem(), tokens);
+  }
+  // The W4A16 row's layout and upload: the same bytes.
+  const char* weight_layout() const override { return Sm90PrepackedWeights::kLayout; }
+  std::unique_ptr<BackendWeights> upload(const MoeLayer& layer, cudaStream_t stream) const override {
+    return upload_sm90_prepacked(layer, stream);
+  }
+  std::unique_ptr<BackendWeights> upload_into(const MoeLayer& layer, const WeightStorage& into,
+                                              cudaStream_t stream) const override {
+    return upload_sm90_prepacked(layer, stream, &into);
+  }
+  std::unique_ptr<BackendWeights> view(const MoeProblem& shape, const WeightStorage& at, const GlobalScales& scales,
+                                       cudaStream_t stream) const override {
+    return view_sm90_prepacked(shape, at, scales, stream);
+  }
+  void unprepack(const MoeProblem& shape, const HostPrepacked& in, const StackedNvfp4Buffers& out) const override {
+    unprepack_sm90(shape, in, out);
+  }
+  void run(const MoePlan& plan, const BackendWeights& weights, const MoeRunArgs& args, cudaStream_t stream,
+           const GatedTokens* gated) const override {
+    MEGAMOE_CHECK(gated == nullptr, kUnsupported,
+                  "precision w4a8 does not run expert-parallel (gated) tokens yet; use w4a16 with expert parallelism");
+    // run() has checked that the weights are in weight_layout(), which only this type carries.
+    run_sm90_w4a8(plan, static_cast<const Sm90PrepackedWeights&>(weights), args, stream);
+  }
+  int64_t invalid_id_count(const MoePlan& plan, const void* workspace, cudaStream_t stream) const override {
+    return read_invalid_id_count(plan.problem(), workspace, stream);
+  }
+  void load_kernels() const override {
+    static std::once_flag once;
+    std::call_once(once, [] {
+      load_pipeline_kernels();
+      load_w4a8_kernels();
+    });
+  }
+};
+
+}  // namespace
+
+const MoeBackend& sm90_w4a8_backend() {
+  static const Sm90W4a8Backend row;
+  return row;
+}
+
+}  // namespace megamoe::runtime

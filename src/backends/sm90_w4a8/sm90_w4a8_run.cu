@@ -1,0 +1,196 @@
+// The (sm_90, w4a8) row's launches (docs/w4a8.md §8): the shared dispatch; the hidden states
+// quantized per token and 128 columns; L1 (fp8 decode, per-128-K promotion, SwiGLU to fp32);
+// a quantized per slot and 128 columns; L2 and its combine epilogue; the shared combine.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+#include <utility>
+
+#include "backends/sm90_w4a16/sm90_w4a16_params.cuh"
+#include "backends/sm90_w4a8/sm90_w4a8_act_quant.cuh"
+#include "backends/sm90_w4a8/sm90_w4a8_grouped_gemm_kernel.cuh"
+#include "backends/sm90_w4a8/sm90_w4a8_run.h"
+#include "megamoe/gpu.h"
+#include "megamoe/status.h"
+#include "runtime/sm90/sm90_launch_util.h"
+#include "runtime/sm90/sm90_moe_pipeline.h"
+
+namespace megamoe::runtime {
+
+namespace k90 = kernels::sm90;
+namespace w4a8 = kernels::sm90::w4a8;
+
+void validate_sm90_w4a8_problem(const MoeProblem& p) {
+  validate_sm90_problem(p);
+  MEGAMOE_CHECK(p.hidden_size % w4a8::kActBlock == 0, kUnsupported, "MoePlan: precision w4a8 needs hidden_size",
+                " to be a multiple of 128 (one activation scale per 128 elements, docs/w4a8.md §1); it is ",
+                p.hidden_size, ". Use w4a16, which needs a multiple of 64");
+  MEGAMOE_CHECK(p.intermediate_size % w4a8::kActBlock == 0, kUnsupported,
+                "MoePlan: precision w4a8 needs intermediate_size to be a multiple of 128 (one activation scale per",
+                " 128 elements, docs/w4a8.md §2); it is ", p.intermediate_size,
+                ". Use w4a16, which needs a multiple of 64");
+}
+
+W4a8WorkspaceLayout w4a8_workspace_layout(const MoeProblem& p) {
+  W4a8WorkspaceLayout w{};
+  w.base = workspace_layout(p);
+  size_t off = w.base.total;
+  auto take = [&](size_t bytes) {
+    const size_t at = off;
+    off += (bytes + 255) / 256 * 256;
+    return at;
+  };
+  const size_t T = static_cast<size_t>(p.max_tokens), H = static_cast<size_t>(p.hidden_size);
+  const size_t S = T * static_cast<size_t>(slots_per_token(p)), I = static_cast<size_t>(p.intermediate_size);
+  w.x_codes = take(T * H);
+  w.x_exponents = take(T * (H / w4a8::kActBlock) * 4);
+  w.act_f32 = take(S * I * 4);
+  w.a_codes = take(S * I);
+  w.a_exponents = take(S * (I / w4a8::kActBlock) * 4);
+  w.total = off;
+  return w;
+}
+
+int w4a8_block_n(const MoeProblem& p, int64_t tokens) {
+  // Slots per routed expert under uniform routing: up to 32 the narrow tile wastes less MMA.
+  const double per_expert = static_cast<double>(tokens) * p.top_k / static_cast<double>(p.num_experts);
+  return per_expert <= 32.0 ? 32 : 128;
+}
+
+std::string w4a8_config(const MoeProblem& p, int64_t tokens) {
+  const std::string n = std::to_string(w4a8_block_n(p, tokens));
+  return "L1{wg=1 n=" + n + " fp8} L2{wg=1 n=" + n + " fp8}";
+}
+
+namespace {
+
+template <bool kIsL1, int kBlockN>
+struct W4a8Kernel {
+  using Smem = k90::W4a8SmemLayout<kBlockN>;
+  static constexpr auto kernel = &k90::w4a8_grouped_gemm_kernel<kIsL1, kBlockN>;
+  static int blocks_per_sm() {
+    static const int n = prepare_kernel(kernel, k90::detail::kW4a8Threads, Smem::kAllocBytes);
+    return n;
+  }
+};
+
+template <bool kIsL1, int kBlockN>
+void launch_gemm(const k90::W4a8GemmParams& params, int num_sms, int64_t max_work, cudaStream_t stream) {
+  using K = W4a8Kernel<kIsL1, kBlockN>;
+  const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(int64_t{num_sms} * K::blocks_per_sm(), max_work));
+  launch_dependent(K::kernel, static_cast<unsigned>(ctas), k90::detail::kW4a8Threads, K::Smem::kAllocBytes, stream,
+                   params);
+}
+
+template <bool kIsL1>
+void launch_gemm(int block_n, const k90::W4a8GemmParams& params, int num_sms, int64_t max_work, cudaStream_t stream) {
+  if (block_n == 32) return launch_gemm<kIsL1, 32>(params, num_sms, max_work, stream);
+  launch_gemm<kIsL1, 128>(params, num_sms, max_work, stream);
+}
+
+// A plain launch (no programmatic serialization): it starts once the kernel before it has
+// completed, so the next kernel's grid dependency wait covers that one too.
+template <class T>
+void launch_quantize(const T* x, int64_t rows, int64_t cols, uint8_t* codes, int32_t* exponents, int num_sms,
+                     cudaStream_t stream) {
+  constexpr int kThreads = 256;
+  const int64_t blocks = rows * (cols / w4a8::kActBlock), per_cta = kThreads / 32;
+  const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>((blocks + per_cta - 1) / per_cta, int64_t{num_sms} * 16));
+  w4a8::quantize_act_kernel<T><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(x, rows, cols, codes, exponents);
+  gpu::check_cuda(cudaGetLastError(), "quantize_act_kernel launch");
+}
+
+// Upper bound of a GEMM's work items (sizes its grid): min(E', slots) experts hold tokens.
+int64_t max_work_items(const PipelineRun& r, int block_n, int64_t m_tiles) {
+  const int64_t slots = r.tokens * r.slots_per_token, active = std::min(r.virtual_experts, slots);
+  return m_tiles * ((slots + active * (block_n - 1)) / block_n);
+}
+
+k90::W4a8GemmParams gemm_params(const PipelineRun& r, const Sm90PrepackedWeights& w, const k90::DispatchParams& d,
+                                bool l1) {
+  const MoeProblem& p = r.problem;
+  const int64_t EV = r.virtual_experts;
+  k90::W4a8GemmParams q{};
+  k90::W4a16GemmParams& g = q.g;
+  g.codes = l1 ? w.w13_codes : w.w2_codes;
+  g.scales = l1 ? w.w13_scales : w.w2_scales;
+  g.code_expert_stride = l1 ? w.w13_code_stride : w.w2_code_stride;
+  g.scale_expert_stride = l1 ? w.w13_scale_stride : w.w2_scale_stride;
+  g.m_tiles = l1 ? d.l1_m_tiles : d.l2_m_tiles;
+  g.k_chunks = static_cast<int32_t>((l1 ? p.hidden_size : p.intermediate_size) / 64);
+  g.k_splits = 1;
+  g.k_chunks_per_split = g.k_chunks;
+  g.expert_offsets = d.expert_offsets;
+  g.tile_offsets = l1 ? d.l1_tile_offsets : d.l2_tile_offsets;
+  g.work_counter = d.counters + (l1 ? kL1WorkCounter : kL2WorkCounter);
+  g.num_experts = static_cast<int32_t>(EV);
+  g.num_routed = d.num_experts;
+  g.slot_token = d.slot_token;
+  g.slot_weight = d.slot_weight;
+  g.act_ld = p.intermediate_size;
+  g.out_ld = p.hidden_size;
+  g.swiglu_limit = p.swiglu_limit ? *p.swiglu_limit : std::numeric_limits<float>::infinity();
+  if (l1) {
+    g.s2_gate = w.w4a8_s2;
+    g.s2_up = w.w4a8_s2 + EV;
+  } else {
+    g.s2_down = w.w4a8_s2 + 2 * EV;
+    g.out_acc = p.deterministic ? nullptr : workspace_at<float>(r.args.workspace, r.layout.out_acc);
+    g.y_slot = p.deterministic ? workspace_at<float>(r.args.workspace, r.layout.y_slot) : nullptr;
+  }
+  q.exponent_addends = w.w4a8_addends + (l1 ? 0 : EV);
+  return q;
+}
+
+}  // namespace
+
+void run_sm90_w4a8(const MoePlan& plan, const Sm90PrepackedWeights& w, const MoeRunArgs& args, cudaStream_t stream) {
+  const MoeProblem& p = plan.problem();
+  const int64_t T = args.tokens, H = p.hidden_size, I = p.intermediate_size;
+  const W4a8WorkspaceLayout L = w4a8_workspace_layout(p);
+  const PipelineRun r = PipelineRun::make(p, args, L.base, /*early_start=*/false);
+  const int block_n = w4a8_block_n(p, T);
+  const GemmSchedule schedule{1, block_n, block_n, 1};
+  const k90::DispatchParams d = dispatch_params(r, schedule, schedule);
+  void* ws = args.workspace;
+  if (!p.deterministic) {
+    // L2 adds into the combine accumulator; the previous run's combine, its last reader, is
+    // complete (stream order).
+    gpu::check_cuda(cudaMemsetAsync(workspace_at<float>(ws, L.base.out_acc), 0, static_cast<size_t>(T * H) * 4, stream),
+                    "cudaMemsetAsync(combine accumulator)");
+  }
+  launch_dispatch(d, T * p.top_k, stream);
+  launch_quantize(reinterpret_cast<const __nv_bfloat16*>(args.hidden), T, H, workspace_at<uint8_t>(ws, L.x_codes),
+                  workspace_at<int32_t>(ws, L.x_exponents), plan.num_sms(), stream);
+
+  k90::W4a8GemmParams g1 = gemm_params(r, w, d, /*l1=*/true);
+  g1.b_codes = workspace_at<uint8_t>(ws, L.x_codes);
+  g1.b_exponents = workspace_at<int32_t>(ws, L.x_exponents);
+  g1.act_f32 = workspace_at<float>(ws, L.act_f32);
+  launch_gemm<true>(block_n, g1, plan.num_sms(), max_work_items(r, block_n, d.l1_m_tiles), stream);
+
+  // Every slot row up to the bound: rows past the routed slots (invalid ids) are never read.
+  const int64_t slots = T * r.slots_per_token;
+  launch_quantize(static_cast<const float*>(g1.act_f32), slots, I, workspace_at<uint8_t>(ws, L.a_codes),
+                  workspace_at<int32_t>(ws, L.a_exponents), plan.num_sms(), stream);
+
+  k90::W4a8GemmParams g2 = gemm_params(r, w, d, /*l1=*/false);
+  g2.b_codes = workspace_at<uint8_t>(ws, L.a_codes);
+  g2.b_exponents = workspace_at<int32_t>(ws, L.a_exponents);
+  launch_gemm<false>(block_n, g2, plan.num_sms(), max_work_items(r, block_n, d.l2_m_tiles), stream);
+  launch_combine(combine_params(r, d), plan.num_sms(), stream);
+}
+
+void load_w4a8_kernels() {
+  W4a8Kernel<true, 32>::blocks_per_sm();
+  W4a8Kernel<false, 32>::blocks_per_sm();
+  W4a8Kernel<true, 128>::blocks_per_sm();
+  W4a8Kernel<false, 128>::blocks_per_sm();
+  cudaFuncAttributes a{};
+  gpu::check_cuda(cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(&w4a8::quantize_act_kernel<__nv_bfloat16>)),
+                  "load quantize_act_kernel<bf16>");
+  gpu::check_cuda(cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(&w4a8::quantize_act_kernel<float>)),
+                  "load quantize_act_kernel<fp32>");
+}
+
+}  // namespace megamoe::runtime
