@@ -119,7 +119,6 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     for (int i = 0; work < total_work; ++i) {
       MEGAMOE_W4A16_TIMELINE_ITEM_START(i == 0);
       const detail::WorkItem w = detail::decode_work<kBlockN>(p, work, total_work);
-      MEGAMOE_W4A16_TIMELINE_ITEM(kIsL1, kWarpgroups, p, w, work);
       if constexpr (kIsL1) {
         // Before the item: after it, `work` stays live across the K loops and ptxas grows the
         // 160-token width's loop (docs/perf/2026-11-22-h100-w4a16-v26.md;
@@ -129,6 +128,8 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
       detail::gemm_item_overlapped<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem, bars, [] {}, [&] {
         if (tid == 0 && i > 0) next_work_ring[i % 2] = detail::claim_work(p.work_counter);
       });
+      // After the item here: before it, ptxas adds ~100 descriptor copies to the L2 kernel's K loop.
+      MEGAMOE_W4A16_TIMELINE_ITEM(kIsL1, kWarpgroups, p, w, work);
       MEGAMOE_W4A16_TIMELINE_ITEM_END(timeline::kGemmLaunch<kIsL1>);
       work = next_work_ring[i % 2];
     }
