@@ -11,6 +11,7 @@ usage: timeline_report.py TIMELINE.json [--svg OUT.svg]   (stdlib only)
 """
 import argparse
 import json
+import math
 import os
 import statistics
 
@@ -94,6 +95,9 @@ def summarize(point, device_sms=None):
     s["device_sms"] = device_sms
     s["busy"] = {"min": min(busy), "median": statistics.median(busy), "mean": statistics.fmean(busy)}
 
+    # %globaltimer may advance in steps coarser than a ns (its resolution is the GPU's): every stamp
+    # is then a multiple of the step. Durations in cycles do not depend on it.
+    s["timer_step_ns"] = math.gcd(*(e[k] - run_start for e in items for k in ("start_ns", "wait_ns", "end_ns")))
     cycles = [(e["cycles"], e["end_ns"] - e["start_ns"]) for e in items if e["end_ns"] > e["start_ns"]]
     if cycles:
         s["sm_clock_mhz"] = 1000.0 * sum(c for c, _ in cycles) / sum(ns for _, ns in cycles)
@@ -164,7 +168,8 @@ def format_point(point, s):
         lines.append("  no items recorded")
         return lines
     t0 = s["run_start_ns"]
-    lines.append(f'  span: {us(s["span_ns"])} us from the first item start to the last item end')
+    lines.append(f'  span: {us(s["span_ns"])} us from the first item start to the last item end '
+                 f'(the stamps are multiples of {s["timer_step_ns"]} ns)')
     for ln in s["launches"]:
         per_sm = ", ".join(f"{n} on {count} SMs" for n, count in ln["ctas_per_sm"].items())
         lines.append(f'  {ln["launch"]} launch: {us(ln["start_ns"] - t0)} -> {us(ln["end_ns"] - t0)} us, '

@@ -55,6 +55,7 @@ def test_percentile_is_linear_between_ranks():
 def test_summary_numbers():
     s = report.summarize(POINT, device_sms=3)
     assert s["span_ns"] == 1600
+    assert s["timer_step_ns"] == 100
     assert s["launches"] == [{"launch": "fused", "start_ns": 0, "end_ns": 1600, "ctas": 3,
                               "ctas_per_sm": {1: 1, 2: 1}}]
     # SM 0 runs items over [0, 1500), SM 1 over [0, 1600), SM 2 never.
@@ -94,6 +95,7 @@ def test_report_and_svg(tmp_path, capsys):
     assert "NVIDIA H200, 3 SMs; layer deepseek-v3" in out
     assert "T=1: fused decode16" in out
     assert "1980 MHz over the timed replays (NVML), 1800 MHz in this run (cycles / ns)" in out
+    assert "span: 1.60 us from the first item start to the last item end (the stamps are multiples of 100 ns)" in out
     assert "fused launch: 0.00 -> 1.60 us, 3 CTAs; CTAs per SM: 1 on 1 SMs, 2 on 1 SMs" in out
     assert "SMs with items: 2 of 3" in out
     assert "         1      1       0.40          92.2         92.2" in out
