@@ -6,8 +6,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <set>
@@ -19,6 +21,7 @@
 #include "bench/l2_flush.h"
 #include "bench/sm90_bf16_baseline.h"
 #include "bench/sm_clock.h"
+#include "backends/sm90_w4a16/sm90_w4a16_timeline.h"
 #include "megamoe/checkpoint.h"
 #include "megamoe/dtype.h"
 #include "megamoe/format.h"
@@ -75,6 +78,38 @@ void dequant_to(const Nvfp4Linear& lin, uint16_t* dst) {
   check_cuda(cudaDeviceSynchronize(), "dequantize");
 }
 
+// A run's timeline events as JSON (bench/timeline_report.py reads them): times in ns from the
+// earliest event's start.
+nlohmann::json timeline_events_json(const std::vector<runtime::W4a16TimelineEvent>& events) {
+  uint64_t t0 = UINT64_MAX;
+  for (const auto& e : events) t0 = std::min(t0, e.start_ns);
+  auto launch_name = [](int16_t launch) {
+    return launch == runtime::kTimelineLaunchFused ? "fused" : launch == runtime::kTimelineLaunchL1 ? "l1" : "l2";
+  };
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& e : events) {
+    nlohmann::json j = {{"launch", launch_name(e.launch)}, {"sm", e.smid}, {"cta", e.block},
+                        {"start_ns", e.start_ns - t0}, {"end_ns", e.end_ns - t0}, {"cycles", e.cycles}};
+    if (e.kind == runtime::kTimelineCta) {
+      j["kind"] = "cta";
+      j["items"] = e.item;
+    } else {
+      j["kind"] = e.kind == runtime::kTimelineL1Item ? "l1" : "l2";
+      j["wait_ns"] = e.wait_ns - t0;
+      j["item"] = e.item;
+      j["expert"] = e.expert;
+      j["m_block"] = e.m_block;
+      j["k_split"] = e.k_split;
+      j["slots"] = e.slots;
+      j["k_chunks"] = e.k_chunks;
+      j["rows"] = e.rows;
+      j["weight_bytes"] = static_cast<int64_t>(format::kNvfp4BytesPerWeight * e.rows * e.k_chunks * 64);
+    }
+    out.push_back(std::move(j));
+  }
+  return out;
+}
+
 }  // namespace
 
 int run_bench(const BenchOptions& opt) {
@@ -91,6 +126,8 @@ int run_bench(const BenchOptions& opt) {
                 "bench: --num-experts and --shared-experts shape a synthesized layer; with --checkpoint the "
                 "layer is the checkpoint's (drop them, or use --preset to synthesize)");
   const L2FlushMode flush_mode = parse_l2_flush_mode(opt.flush);
+  MEGAMOE_CHECK(opt.timeline.empty() || runtime::w4a16_timeline_built(), kUnsupported, "bench --timeline: ",
+                runtime::kW4a16TimelineNotBuilt);
   MEGAMOE_CHECK(gpu::device_count() > 0, kUnsupported, "bench: no CUDA device found; the benchmark needs a Hopper GPU");
   cudaDeviceProp prop{};
   check_cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
@@ -277,11 +314,20 @@ int run_bench(const BenchOptions& opt) {
   report["warm_ms"] = opt.warm_ms;
   report["layer"] = {{"H", H}, {"I", I}, {"E", E}, {"top_k", k}, {"shared_I", shared_I}, {"preset", opt.checkpoint.empty() ? opt.preset : ckpt_dir}};
   report["points"] = nlohmann::json::array();
+  // --timeline: one more run per point, recorded (sm90_w4a16_timeline.h).
+  std::unique_ptr<runtime::W4a16TimelineRecorder> recorder;
+  nlohmann::json timeline;
+  if (!opt.timeline.empty()) {
+    recorder = std::make_unique<runtime::W4a16TimelineRecorder>();
+    timeline = {{"device", prop.name}, {"sms", prop.multiProcessorCount}, {"layer", report["layer"]},
+                {"l2_flush", report["l2_flush"]}, {"points", nlohmann::json::array()}};
+  }
   for (int64_t T : opt.tokens) {
     if (const std::string why = tuning_error(T); !why.empty()) {
       std::printf("%7lld skipped: %s\n", (long long)T, why.c_str());
       std::fflush(stdout);
       report["points"].push_back({{"tokens", T}, {"skipped", why}});
+      if (recorder) timeline["points"].push_back({{"tokens", T}, {"skipped", why}});
       continue;
     }
     std::mt19937_64 rng = input_rng(seed, InputPart::kPoint, T);
@@ -346,11 +392,26 @@ int run_bench(const BenchOptions& opt) {
       report["points"].back()["sm_clock"] = {{"mean_mhz", clock.mean_mhz}, {"min_mhz", clock.min_mhz},
                                              {"power_capped_share", clock.power_capped}, {"samples", clock.samples}};
     }
+    if (recorder) {
+      // Eager, after a flush as each timed replay; the SM clock is the timed replays' (one run is
+      // shorter than a sample), and the events' cycles give the clock the run itself saw.
+      recorder->start();
+      flush.run(stream, 0);
+      run_ours(plan, dx.get(), dids.get(), dw.get(), T, dout.get());
+      timeline["points"].push_back({{"tokens", T}, {"config", plan.describe(T)}, {"us", us},
+                                    {"sm_clock_mhz", clock.samples > 0 ? nlohmann::json(clock.mean_mhz) : nlohmann::json()},
+                                    {"events", timeline_events_json(recorder->stop())}});
+    }
   }
   if (!opt.json.empty()) {
     std::ofstream f(opt.json);
     MEGAMOE_CHECK(f.good(), kIo, "bench: cannot write '", opt.json, "'");
     f << report.dump(2) << "\n";
+  }
+  if (recorder) {
+    std::ofstream f(opt.timeline);
+    MEGAMOE_CHECK(f.good(), kIo, "bench: cannot write '", opt.timeline, "'");
+    f << timeline.dump() << "\n";
   }
   cudaStreamDestroy(stream);
   return status;

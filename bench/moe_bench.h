@@ -32,6 +32,9 @@ struct BenchOptions {
   std::optional<bool> absorbing_tile;  // MoeTuning override (unset: the heuristic's choice)
   uint64_t seed = 0x5eed;
   std::string json;         // write the results here when set
+  // Write here, per point, the kernels' timeline of one more run (after the timed ones, the L2
+  // flushed first): builds configured with -DMEGAMOE_TIMELINE=ON only (bench/timeline_report.py).
+  std::string timeline;
   std::string work_dir;     // where the synthesized checkpoint goes (default: a temp dir)
 };
 

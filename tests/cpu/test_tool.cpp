@@ -478,6 +478,20 @@ TEST(ToolBench, RejectsOptionsThatDoNotApply) {
   }
 }
 
+// `megamoe bench --timeline` records the kernels of a build configured with -DMEGAMOE_TIMELINE=ON;
+// any other build says so, before any GPU work.
+TEST(ToolBench, TimelineNeedsATimelineBuild) {
+  if (!MEGAMOE_HAS_CUDA) GTEST_SKIP() << "CPU-only build: `megamoe bench` is not built";
+  if (MEGAMOE_TIMELINE) {
+    GTEST_SKIP() << "a -DMEGAMOE_TIMELINE=ON build: its kernels record (tests/gpu/test_gpu_timeline.cpp)";
+  }
+  const ToolResult r = run_tool("bench --tokens 1 --timeline timeline.json");
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("bench --timeline"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("configure a build directory with -DMEGAMOE_TIMELINE=ON"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("no CUDA device"), std::string::npos) << r.output;
+}
+
 // `megamoe bench --ep N` refuses, before any GPU work, what it cannot run: options of the
 // single-GPU benchmark that have no meaning for it, and more ranks than GPUs (here: no GPU at all,
 // or fewer than 8).
@@ -491,6 +505,7 @@ TEST(ToolBench, ExpertParallelRefusals) {
       {"--ep 2 --tokens 4", {"--tokens-per-rank"}},
       {"--ep 2 --fused on", {"--fused", "no tuning overrides"}},
       {"--ep 2 --warm-ms 10", {"--warm-ms"}},
+      {"--ep 2 --timeline t.json", {"--timeline", "without --ep"}},
       {"--ep 2 --iters 5", {"--iters", ">= 20"}},
       {"--ep 3", {"256 routed experts", "3 ranks"}},
       {"--ep 9", {"1..8"}},

@@ -53,6 +53,8 @@ bench::EpBenchOptions ep_options(const bench::BenchOptions& b, const EpCli& e, c
                   " overrides the single-GPU heuristic; the expert-parallel layer takes no tuning overrides but "
                   "--early-start off");
   }
+  MEGAMOE_CHECK(!given("--timeline"), kInvalidArgument,
+                "bench --ep: --timeline records the single-GPU layer's kernels; run it without --ep");
   MEGAMOE_CHECK(!given("--warm-ms") || b.warm_ms == 0, kInvalidArgument,
                 "bench --ep: --warm-ms is not supported with --ep (every rank must run the layer the same number "
                 "of times, and a warm-up by time does not guarantee it)");
@@ -211,6 +213,10 @@ Command add_bench_command(CLI::App& parent) {
       ->check(CLI::IsMember({"on", "off"}));
   app->add_option("--seed", opt->seed, "seed of the synthesized weights and inputs");
   app->add_option("--json", opt->json, "write the results as JSON (plot with bench/plot_bench.py)");
+  app->add_option("--timeline", opt->timeline,
+                  "per point, record one more run (after an L2 flush) of the W4A16 kernels' work items (SM, CTA, "
+                  "expert, %globaltimer stamps) and write them as JSON (summarize with bench/timeline_report.py); "
+                  "builds configured with -DMEGAMOE_TIMELINE=ON only");
   app->add_option("--work-dir", opt->work_dir, "where to write the synthesized checkpoint");
   auto ep = std::make_shared<EpCli>();
   app->add_option("--ep", ep->ep,

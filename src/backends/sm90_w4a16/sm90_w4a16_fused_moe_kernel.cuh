@@ -13,6 +13,7 @@
 #include "backends/sm90_w4a16/sm90_w4a16_params.cuh"
 #include "backends/sm90_w4a16/sm90_w4a16_scheduler.cuh"
 #include "backends/sm90_w4a16/sm90_w4a16_tile.cuh"
+#include "backends/sm90_w4a16/sm90_w4a16_timeline.cuh"
 
 namespace megamoe::kernels::sm90 {
 
@@ -65,6 +66,7 @@ w4a16_fused_moe_kernel(const W4a16FusedParams p) {
   if (zeroes && tid == 0) ptx::red_release_add(p.ctas_zeroed, 1);
 
   for (int work = next_work_shared; work < work_bounds[1];) {
+    MEGAMOE_W4A16_TIMELINE_ITEM_START(work == static_cast<int>(blockIdx.x));
     int next_work = 0;
     auto claim = [&] {
       grid_dependency_wait();  // early start: the dispatch's counters and schedule from here on
@@ -78,11 +80,13 @@ w4a16_fused_moe_kernel(const W4a16FusedParams p) {
                                      ? early.first
                                      : detail::decode_work<kBlockN>(p.l1, work, l1_work);
       expert = w.expert;
+      MEGAMOE_W4A16_TIMELINE_ITEM(true, kWarpgroups, p.l1, w, work);
       detail::gemm_item<true, kWarpgroups, kBlockN, kStages>(p.l1, w, smem, claim);
     } else {
       grid_dependency_wait();  // early start: a CTA's first item may be an L2 item
       const detail::WorkItem w = detail::decode_work<kBlockN>(p.l2, work - l1_work, work_bounds[1] - l1_work);
       expert = w.expert;
+      MEGAMOE_W4A16_TIMELINE_ITEM(false, kWarpgroups, p.l2, w, work - l1_work);
       if (tid == 0) {
         // The item's weights do not depend on L1: start the DRAM reads of its first chunks (as
         // many as the pipeline's prologue copies) into the L2 cache before waiting, so they land
@@ -91,6 +95,7 @@ w4a16_fused_moe_kernel(const W4a16FusedParams p) {
         const int e = w.expert;
         ptx::wait_at_least(p.l1_tiles_done + e, p.l1.tile_offsets[e + 1] - p.l1.tile_offsets[e]);
         if (p.l1.zero_first != nullptr) ptx::wait_at_least(p.ctas_zeroed, static_cast<int32_t>(gridDim.x));
+        MEGAMOE_W4A16_TIMELINE_ITEM_WAITED();
       }
       __syncthreads();
       detail::gemm_item<false, kWarpgroups, kBlockN, kStages>(p.l2, w, smem, claim);
@@ -98,11 +103,13 @@ w4a16_fused_moe_kernel(const W4a16FusedParams p) {
     if (tid == 0) next_work_shared = next_work;
     __syncthreads();  // also orders the item's act stores before the release
     if (is_l1 && tid == 0) ptx::red_release_add(p.l1_tiles_done + expert, 1);
+    MEGAMOE_W4A16_TIMELINE_ITEM_END(runtime::kTimelineLaunchFused);
     work = next_work_shared;
   }
   // Early start: a CTA that ran no item still completes only after the dispatch (the combine
   // kernel waits for this grid alone).
   grid_dependency_wait();
+  MEGAMOE_W4A16_TIMELINE_CTA_END(runtime::kTimelineLaunchFused, static_cast<int>(blockIdx.x) < work_bounds[1]);
 }
 
 }  // namespace megamoe::kernels::sm90

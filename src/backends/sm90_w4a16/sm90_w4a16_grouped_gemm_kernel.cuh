@@ -48,6 +48,7 @@
 #include "backends/sm90_w4a16/sm90_w4a16_params.cuh"
 #include "backends/sm90_w4a16/sm90_w4a16_scheduler.cuh"
 #include "backends/sm90_w4a16/sm90_w4a16_tile.cuh"
+#include "backends/sm90_w4a16/sm90_w4a16_timeline.cuh"
 
 namespace megamoe::kernels::sm90 {
 
@@ -116,6 +117,7 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     __syncthreads();  // the barriers' initialisation, the first claim
     int work = blockIdx.x;
     for (int i = 0; work < total_work; ++i) {
+      MEGAMOE_W4A16_TIMELINE_ITEM_START(i == 0);
       const detail::WorkItem w = detail::decode_work<kBlockN>(p, work, total_work);
       if constexpr (kIsL1) {
         // Before the item: after it, `work` stays live across the K loops and ptxas grows the
@@ -126,17 +128,23 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
       detail::gemm_item_overlapped<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem, bars, [] {}, [&] {
         if (tid == 0 && i > 0) next_work_ring[i % 2] = detail::claim_work(p.work_counter);
       });
+      // After the item here: before it, ptxas adds ~100 descriptor copies to the L2 kernel's K loop.
+      MEGAMOE_W4A16_TIMELINE_ITEM(kIsL1, kWarpgroups, p, w, work);
+      MEGAMOE_W4A16_TIMELINE_ITEM_END(timeline::kGemmLaunch<kIsL1>);
       work = next_work_ring[i % 2];
     }
     grid_dependency_wait();
+    MEGAMOE_W4A16_TIMELINE_CTA_END(timeline::kGemmLaunch<kIsL1>, static_cast<int>(blockIdx.x) < total_work);
     return;
   }
   detail::StageBarriers bars{};  // unused by the CTA-barrier tiles
 
   for (int work = blockIdx.x; work < total_work;) {
+    MEGAMOE_W4A16_TIMELINE_ITEM_START(work == static_cast<int>(blockIdx.x));
     int next_work = 0;
     const detail::WorkItem w =
         early_start && work == static_cast<int>(blockIdx.x) ? early.first : detail::decode_work<kBlockN>(p, work, total_work);
+    MEGAMOE_W4A16_TIMELINE_ITEM(kIsL1, kWarpgroups, p, w, work);
     auto claim = [&] {
       grid_dependency_wait();  // early start: the dispatch's counter and schedule from here on
       if (tid == 0) next_work = detail::claim_work(p.work_counter);
@@ -151,11 +159,13 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     // first mainloop barrier (every item has at least one chunk).
     if (tid == 0) next_work_shared = next_work;
     __syncthreads();
+    MEGAMOE_W4A16_TIMELINE_ITEM_END(timeline::kGemmLaunch<kIsL1>);
     work = next_work_shared;
   }
   // Early start: a CTA that ran no item still completes only after the dispatch (the kernels
   // after this one wait for this grid alone).
   grid_dependency_wait();
+  MEGAMOE_W4A16_TIMELINE_CTA_END(timeline::kGemmLaunch<kIsL1>, static_cast<int>(blockIdx.x) < total_work);
 }
 
 }  // namespace megamoe::kernels::sm90

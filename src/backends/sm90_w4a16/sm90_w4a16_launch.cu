@@ -57,4 +57,20 @@ void load_w4a16_kernels() {
       std::make_integer_sequence<int, kW4a16TileCount>{});
 }
 
+void set_w4a16_timeline(const W4a16TimelineBuffer& buffer) {
+#if MEGAMOE_TIMELINE
+  for_each_tile(
+      [&](auto index) {
+        constexpr int kTile = decltype(index)::value;
+        set_w4a16_tile_timeline<kTile, kTimelineLaunchL1>(buffer);
+        set_w4a16_tile_timeline<kTile, kTimelineLaunchL2>(buffer);
+        if constexpr (kW4a16Tiles[kTile].fusable) set_w4a16_tile_timeline<kTile, kTimelineLaunchFused>(buffer);
+      },
+      std::make_integer_sequence<int, kW4a16TileCount>{});
+#else
+  (void)buffer;
+  MEGAMOE_FAIL(kUnsupported, kW4a16TimelineNotBuilt);
+#endif
+}
+
 }  // namespace megamoe::runtime

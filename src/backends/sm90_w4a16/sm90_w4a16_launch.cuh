@@ -8,6 +8,7 @@
 #include "backends/sm90_w4a16/sm90_w4a16_fused_moe_kernel.cuh"
 #include "backends/sm90_w4a16/sm90_w4a16_grouped_gemm_kernel.cuh"
 #include "backends/sm90_w4a16/sm90_w4a16_tile.cuh"
+#include "backends/sm90_w4a16/sm90_w4a16_timeline.cuh"
 #include "runtime/sm90/sm90_launch_util.h"
 #include "backends/sm90_w4a16/sm90_w4a16_launch.h"
 
@@ -72,14 +73,32 @@ void launch_w4a16_fused_tile(const kernels::sm90::W4a16FusedParams& params, cons
   launch_dependent(K::kernel, static_cast<unsigned>(ctas), 128, K::Smem::kAllocBytes, grid.stream, params);
 }
 
+#if MEGAMOE_TIMELINE
+template <int kTile, W4a16TimelineLaunch kLaunch>
+void set_w4a16_tile_timeline(const W4a16TimelineBuffer& buffer) {
+  gpu::check_cuda(cudaMemcpyToSymbol(kernels::sm90::timeline::g_buffer, &buffer, sizeof buffer),
+                  "cudaMemcpyToSymbol(W4A16 timeline)");
+}
+#endif
+
 }  // namespace megamoe::runtime
 
 // The explicit instantiations of one table entry's kernels (one per translation unit).
 #define MEGAMOE_W4A16_GEMM_INSTANCE(kTile, kIsL1)                                                    \
   template void megamoe::runtime::launch_w4a16_tile<megamoe::kTile, kIsL1>(                           \
       const megamoe::kernels::sm90::W4a16GemmParams&, const megamoe::runtime::GemmGrid&);            \
-  template int megamoe::runtime::w4a16_tile_blocks_per_sm<megamoe::kTile, kIsL1>();
+  template int megamoe::runtime::w4a16_tile_blocks_per_sm<megamoe::kTile, kIsL1>();                  \
+  MEGAMOE_W4A16_TIMELINE_INSTANCE(kTile, kIsL1 ? megamoe::runtime::kTimelineLaunchL1                 \
+                                               : megamoe::runtime::kTimelineLaunchL2)
 #define MEGAMOE_W4A16_FUSED_INSTANCE(kTile)                                                           \
   template void megamoe::runtime::launch_w4a16_fused_tile<megamoe::kTile>(                            \
       const megamoe::kernels::sm90::W4a16FusedParams&, const megamoe::runtime::GemmGrid&);           \
-  template int megamoe::runtime::w4a16_fused_blocks_per_sm<megamoe::kTile>();
+  template int megamoe::runtime::w4a16_fused_blocks_per_sm<megamoe::kTile>();                        \
+  MEGAMOE_W4A16_TIMELINE_INSTANCE(kTile, megamoe::runtime::kTimelineLaunchFused)
+#if MEGAMOE_TIMELINE
+#define MEGAMOE_W4A16_TIMELINE_INSTANCE(kTile, kLaunch)                                              \
+  template void megamoe::runtime::set_w4a16_tile_timeline<megamoe::kTile, kLaunch>(                   \
+      const megamoe::runtime::W4a16TimelineBuffer&);
+#else
+#define MEGAMOE_W4A16_TIMELINE_INSTANCE(kTile, kLaunch)
+#endif

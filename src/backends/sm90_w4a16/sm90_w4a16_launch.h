@@ -9,6 +9,7 @@
 #include "backends/sm90_w4a16/sm90_w4a16_params.cuh"
 #include "backends/sm90_w4a16/sm90_w4a16_heuristics.h"
 #include "backends/sm90_w4a16/sm90_w4a16_tiles.h"
+#include "backends/sm90_w4a16/sm90_w4a16_timeline.h"
 
 namespace megamoe::runtime {
 
@@ -41,5 +42,9 @@ template <int kTile, bool kIsL1>
 int w4a16_tile_blocks_per_sm();
 template <int kTile>
 int w4a16_fused_blocks_per_sm();
+// -DMEGAMOE_TIMELINE=ON builds: sets the timeline variable of the translation unit of entry kTile's
+// kernel kLaunch (sm90_w4a16_timeline.cuh; each unit has its own). set_w4a16_timeline sets them all.
+template <int kTile, W4a16TimelineLaunch kLaunch>
+void set_w4a16_tile_timeline(const W4a16TimelineBuffer& buffer);
 
 }  // namespace megamoe::runtime
