@@ -80,13 +80,13 @@ w4a16_fused_moe_kernel(const W4a16FusedParams p) {
                                      ? early.first
                                      : detail::decode_work<kBlockN>(p.l1, work, l1_work);
       expert = w.expert;
-      MEGAMOE_W4A16_TIMELINE_ITEM(true, kWarpgroups, p.l1, w, work);
+      MEGAMOE_W4A16_TIMELINE_ITEM(true, kWarpgroups, kBlockN, p.l1, w, work);
       detail::gemm_item<true, kWarpgroups, kBlockN, kStages>(p.l1, w, smem, claim);
     } else {
       grid_dependency_wait();  // early start: a CTA's first item may be an L2 item
       const detail::WorkItem w = detail::decode_work<kBlockN>(p.l2, work - l1_work, work_bounds[1] - l1_work);
       expert = w.expert;
-      MEGAMOE_W4A16_TIMELINE_ITEM(false, kWarpgroups, p.l2, w, work - l1_work);
+      MEGAMOE_W4A16_TIMELINE_ITEM(false, kWarpgroups, kBlockN, p.l2, w, work - l1_work);
       if (tid == 0) {
         // The item's weights do not depend on L1: start the DRAM reads of its first chunks (as
         // many as the pipeline's prologue copies) into the L2 cache before waiting, so they land

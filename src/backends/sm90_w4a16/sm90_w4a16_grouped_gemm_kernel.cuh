@@ -129,7 +129,7 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
         if (tid == 0 && i > 0) next_work_ring[i % 2] = detail::claim_work(p.work_counter);
       });
       // After the item here: before it, ptxas adds ~100 descriptor copies to the L2 kernel's K loop.
-      MEGAMOE_W4A16_TIMELINE_ITEM(kIsL1, kWarpgroups, p, w, work);
+      MEGAMOE_W4A16_TIMELINE_ITEM(kIsL1, kWarpgroups, kBlockN, p, w, work);
       MEGAMOE_W4A16_TIMELINE_ITEM_END(timeline::kGemmLaunch<kIsL1>);
       work = next_work_ring[i % 2];
     }
@@ -144,7 +144,7 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     int next_work = 0;
     const detail::WorkItem w =
         early_start && work == static_cast<int>(blockIdx.x) ? early.first : detail::decode_work<kBlockN>(p, work, total_work);
-    MEGAMOE_W4A16_TIMELINE_ITEM(kIsL1, kWarpgroups, p, w, work);
+    MEGAMOE_W4A16_TIMELINE_ITEM(kIsL1, kWarpgroups, kBlockN, p, w, work);
     auto claim = [&] {
       grid_dependency_wait();  // early start: the dispatch's counter and schedule from here on
       if (tid == 0) next_work = detail::claim_work(p.work_counter);

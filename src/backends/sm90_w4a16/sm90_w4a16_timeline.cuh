@@ -65,14 +65,15 @@ __device__ __forceinline__ void item_start(bool first) {
   }
 }
 
-template <int kWarpgroups>
+template <int kWarpgroups, int kBlockN>
 __device__ __forceinline__ void item(bool is_l1, const W4a16GemmParams& p, const detail::WorkItem& w, int index) {
   W4a16TimelineEvent& e = cta_state().item;
   e.kind = is_l1 ? runtime::kTimelineL1Item : runtime::kTimelineL2Item;
   e.rows = 64 * kWarpgroups;
   e.item = index;
   e.expert = w.expert;
-  e.slots = w.slot_end - w.slot_begin;
+  // An item's slot_end may be its expert's end (decode_work): the tile takes kBlockN of them.
+  e.slots = min(w.slot_end - w.slot_begin, kBlockN);
   e.k_chunks = detail::item_chunks(p, w).chunks;
   e.m_block = static_cast<int16_t>(w.m_block);
   e.k_split = static_cast<int16_t>(w.k_split);
@@ -131,9 +132,9 @@ __device__ __forceinline__ void cta_end(int16_t launch, bool ran) {
     if (threadIdx.x == 0) ::megamoe::kernels::sm90::timeline::item_start(first); \
   } while (0)
 // Once the item `w` (index `index` in its GEMM, of parameters `p`) is decoded.
-#define MEGAMOE_W4A16_TIMELINE_ITEM(is_l1, warpgroups, p, w, index)                               \
-  do {                                                                                            \
-    if (threadIdx.x == 0) ::megamoe::kernels::sm90::timeline::item<warpgroups>(is_l1, p, w, index); \
+#define MEGAMOE_W4A16_TIMELINE_ITEM(is_l1, warpgroups, block_n, p, w, index)                                  \
+  do {                                                                                                       \
+    if (threadIdx.x == 0) ::megamoe::kernels::sm90::timeline::item<warpgroups, block_n>(is_l1, p, w, index); \
   } while (0)
 // Thread 0 only: the item's inputs are ready (a fused L2 item's wait ended).
 #define MEGAMOE_W4A16_TIMELINE_ITEM_WAITED() ::megamoe::kernels::sm90::timeline::item_waited()
@@ -149,7 +150,7 @@ __device__ __forceinline__ void cta_end(int16_t launch, bool ran) {
   } while (0)
 #else
 #define MEGAMOE_W4A16_TIMELINE_ITEM_START(first) ((void)0)
-#define MEGAMOE_W4A16_TIMELINE_ITEM(is_l1, warpgroups, p, w, index) ((void)0)
+#define MEGAMOE_W4A16_TIMELINE_ITEM(is_l1, warpgroups, block_n, p, w, index) ((void)0)
 #define MEGAMOE_W4A16_TIMELINE_ITEM_WAITED() ((void)0)
 #define MEGAMOE_W4A16_TIMELINE_ITEM_END(launch) ((void)0)
 #define MEGAMOE_W4A16_TIMELINE_CTA_END(launch, ran) ((void)0)
