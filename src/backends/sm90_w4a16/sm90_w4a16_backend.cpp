@@ -5,7 +5,7 @@
 #include "backends/sm90_w4a16/sm90_w4a16_heuristics.h"
 #include "backends/sm90_w4a16/sm90_w4a16_launch.h"
 #include "backends/sm90_w4a16/sm90_w4a16_run.h"
-#include "backends/sm90_w4a16/sm90_w4a16_weights.h"
+#include "backends/sm90_w4a16/sm90_prepacked_backend.h"
 #include "runtime/backend.h"
 #include "runtime/sm90/sm90_moe_pipeline.h"
 #include "runtime/sm90/sm90_moe_workspace.h"
@@ -13,9 +13,8 @@
 namespace megamoe::runtime {
 namespace {
 
-class Sm90W4a16Backend final : public MoeBackend {
+class Sm90W4a16Backend final : public Sm90PrepackedBackend {
  public:
-  Arch arch() const override { return 90; }
   Precision precision() const override { return Precision::kW4a16; }
   // The exact row: kAuto's last resort at every T.
   bool auto_accepts(const MoeProblem&, int64_t) const override { return true; }
@@ -24,28 +23,9 @@ class Sm90W4a16Backend final : public MoeBackend {
   std::string describe_config(const MoePlan& plan, int64_t tokens) const override {
     return moe_config(plan, tokens).to_string();
   }
-  const char* weight_layout() const override { return Sm90PrepackedWeights::kLayout; }
-  std::unique_ptr<BackendWeights> upload(const MoeLayer& layer, cudaStream_t stream) const override {
-    return upload_sm90_prepacked(layer, stream);
-  }
-  std::unique_ptr<BackendWeights> upload_into(const MoeLayer& layer, const WeightStorage& into,
-                                              cudaStream_t stream) const override {
-    return upload_sm90_prepacked(layer, stream, &into);
-  }
-  std::unique_ptr<BackendWeights> view(const MoeProblem& shape, const WeightStorage& at, const GlobalScales& scales,
-                                       cudaStream_t stream) const override {
-    return view_sm90_prepacked(shape, at, scales, stream);
-  }
-  void unprepack(const MoeProblem& shape, const HostPrepacked& in, const StackedNvfp4Buffers& out) const override {
-    unprepack_sm90(shape, in, out);
-  }
   void run(const MoePlan& plan, const BackendWeights& weights, const MoeRunArgs& args, cudaStream_t stream,
            const GatedTokens* gated) const override {
-    // run() has checked that the weights are in weight_layout(), which only this type carries.
-    run_sm90_w4a16(plan, static_cast<const Sm90PrepackedWeights&>(weights), args, stream, gated);
-  }
-  int64_t invalid_id_count(const MoePlan& plan, const void* workspace, cudaStream_t stream) const override {
-    return read_invalid_id_count(plan.problem(), workspace, stream);
+    run_sm90_w4a16(plan, prepacked(weights), args, stream, gated);
   }
   void load_kernels() const override {
     static std::once_flag once;
