@@ -1,6 +1,7 @@
 // The helpers of bench_common.h.
 #include "bench/bench_common.h"
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 
 #include <algorithm>
@@ -56,6 +57,56 @@ double measure_bf16_tflops(cudaStream_t stream, int warm_ms) {
       },
       10, 2, stream, nullptr, warm_ms);
   cublasDestroy(handle);
+  return 2.0 * double(n) * n * n / (us * 1e-6) / 1e12;
+}
+
+double measure_fp8_tflops(cudaStream_t stream, int warm_ms) {
+  const int n = 8192;
+  // Random finite e4m3 codes of moderate magnitude (no NaN 0x7F/0xFF): exponent fields 4..11.
+  std::vector<uint8_t> h(size_t(n) * n);
+  std::mt19937 rng(7);
+  for (auto& v : h) v = static_cast<uint8_t>((rng() & 0x80) | (0x20 + (rng() & 0x3F)));
+  DeviceBuffer<uint8_t> A(h.size()), B(h.size()), workspace(size_t{32} << 20);
+  DeviceBuffer<uint16_t> D(h.size());
+  A.upload(h);
+  B.upload(h);
+  auto ok = [](cublasStatus_t s, const char* what) {
+    MEGAMOE_CHECK(s == CUBLAS_STATUS_SUCCESS, kCuda, "bench: ", what, " failed (cuBLAS status ", int(s), ")");
+  };
+  cublasLtHandle_t lt;
+  ok(cublasLtCreate(&lt), "cublasLtCreate");
+  cublasLtMatmulDesc_t op;
+  ok(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F), "cublasLtMatmulDescCreate");
+  const cublasOperation_t transa = CUBLAS_OP_T, transb = CUBLAS_OP_N;  // fp8 needs TN
+  ok(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &transa, sizeof(transa)), "set TRANSA");
+  ok(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &transb, sizeof(transb)), "set TRANSB");
+  cublasLtMatrixLayout_t a, b, d;
+  ok(cublasLtMatrixLayoutCreate(&a, CUDA_R_8F_E4M3, n, n, n), "layout A");
+  ok(cublasLtMatrixLayoutCreate(&b, CUDA_R_8F_E4M3, n, n, n), "layout B");
+  ok(cublasLtMatrixLayoutCreate(&d, CUDA_R_16BF, n, n, n), "layout D");
+  cublasLtMatmulPreference_t pref;
+  ok(cublasLtMatmulPreferenceCreate(&pref), "preference");
+  const size_t ws_bytes = workspace.size();
+  ok(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws_bytes, sizeof(ws_bytes)),
+     "preference workspace");
+  cublasLtMatmulHeuristicResult_t algo{};
+  int found = 0;
+  ok(cublasLtMatmulAlgoGetHeuristic(lt, op, a, b, d, d, pref, 1, &algo, &found), "cublasLtMatmulAlgoGetHeuristic");
+  MEGAMOE_CHECK(found > 0, kUnsupported, "bench: cuBLASLt has no fp8 e4m3 GEMM for this device");
+  const float one = 1, zero = 0;
+  const double us = event_median_us(
+      [&] {
+        ok(cublasLtMatmul(lt, op, &one, A.get(), a, B.get(), b, &zero, D.get(), d, D.get(), d, &algo.algo,
+                          workspace.get(), ws_bytes, stream),
+           "cublasLtMatmul (fp8)");
+      },
+      10, 2, stream, nullptr, warm_ms);
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatrixLayoutDestroy(a);
+  cublasLtMatrixLayoutDestroy(b);
+  cublasLtMatrixLayoutDestroy(d);
+  cublasLtMatmulDescDestroy(op);
+  cublasLtDestroy(lt);
   return 2.0 * double(n) * n * n / (us * 1e-6) / 1e12;
 }
 
@@ -141,7 +192,8 @@ std::vector<int64_t> spread_rows(int64_t T, int64_t count) {
 // those tokens alone (tokens are independent), as a relative L2 error; *nonfinite counts the
 // non-finite values among them.
 double reference_rel_l2(const MoeLayer& layer, const std::vector<uint16_t>& x, const reference::TopK& topk,
-                        const std::vector<uint16_t>& got, const std::vector<int64_t>& rows, int64_t* nonfinite) {
+                        const std::vector<uint16_t>& got, const std::vector<int64_t>& rows, int64_t* nonfinite,
+                        bool w4a8) {
   const int64_t H = layer.hidden_size, k = topk.k, n = int64_t(rows.size());
   std::vector<uint16_t> xs(size_t(n * H)), gs(size_t(n * H));
   reference::TopK ts;
@@ -155,7 +207,7 @@ double reference_rel_l2(const MoeLayer& layer, const std::vector<uint16_t>& x, c
     ts.weights.insert(ts.weights.end(), topk.weights.begin() + r * k, topk.weights.begin() + (r + 1) * k);
   }
   // Both outputs are bf16: the error is what the GPU arithmetic adds beyond the final rounding.
-  const auto ref_bf16 = reference::moe_forward(layer, xs, n, ts);
+  const auto ref_bf16 = w4a8 ? reference::moe_forward_w4a8(layer, xs, n, ts) : reference::moe_forward(layer, xs, n, ts);
   std::vector<float> ref(ref_bf16.size());
   for (size_t i = 0; i < ref.size(); ++i) ref[i] = bf16_to_f32(ref_bf16[i]);
   return rel_l2(gs, ref, nonfinite);

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <set>
 #include <thread>
@@ -143,8 +144,14 @@ int run_bench(const BenchOptions& opt) {
   // ---- ceilings of this device, measured now
   const double copy_tbps = measure_copy_tbps(stream, opt.warm_ms);
   const double mma_tflops = measure_bf16_tflops(stream, opt.warm_ms);
-  std::fprintf(stderr, "bench: %s, %d SMs: copy %.2f TB/s, bf16 GEMM %.0f TFLOP/s [%.0fs]\n", prop.name,
-               prop.multiProcessorCount, copy_tbps, mma_tflops, elapsed());
+  // The precision timed beside W4A16 (none when it is w4a16 itself).
+  const Precision other = parse_precision(opt.precision);
+  const bool beside = other != Precision::kW4a16;
+  const double fp8_tflops = beside ? measure_fp8_tflops(stream, opt.warm_ms) : 0.0;
+  std::fprintf(stderr, "bench: %s, %d SMs: copy %.2f TB/s, bf16 GEMM %.0f TFLOP/s%s [%.0fs]\n", prop.name,
+               prop.multiProcessorCount, copy_tbps, mma_tflops,
+               beside ? (", fp8 GEMM " + std::to_string(static_cast<int>(fp8_tflops + 0.5)) + " TFLOP/s").c_str() : "",
+               elapsed());
 
   // ---- the layer: a synthesized checkpoint (or the caller's), loaded like any other
   std::string ckpt_dir = opt.checkpoint;
@@ -198,11 +205,17 @@ int run_bench(const BenchOptions& opt) {
                  (long long)T, why.c_str(), (long long)T);
     return heuristic_plan;
   };
+  std::optional<MoePlan> other_plan;
+  if (beside) {
+    MoeProblem p = problem;
+    p.precision = other;
+    other_plan = MoePlan::create(p);
+  }
   const MoeDeviceWeights weights = MoeDeviceWeights::upload(layer, stream);
-  DeviceBuffer<uint8_t> workspace(plan.workspace_bytes());
+  DeviceBuffer<uint8_t> workspace(std::max(plan.workspace_bytes(), beside ? other_plan->workspace_bytes() : 0));
   std::fprintf(stderr, "bench: layer %lld: H=%lld I=%lld E=%lld top-%d shared I=%lld; NVFP4 weights %.2f GB on device, workspace %.2f GB [%.0fs]\n",
                (long long)layer_index, (long long)H, (long long)I, (long long)E, k, (long long)shared_I,
-               weights.device_bytes() / 1e9, plan.workspace_bytes() / 1e9, elapsed());
+               weights.device_bytes() / 1e9, workspace.size() / 1e9, elapsed());
 
   auto run_ours = [&](const MoePlan& with, const uint16_t* x, const int32_t* ids, const float* w, int64_t T,
                       uint16_t* out) {
@@ -236,6 +249,21 @@ int run_bench(const BenchOptions& opt) {
     std::printf("accuracy vs CPU reference (T=%lld): rel L2 %.3g, non-finite %lld: %s\n", (long long)T, err,
                 (long long)bad, ok ? "PASS" : "FAIL");
     report["accuracy"] = {{"tokens", T}, {"rel_l2", err}, {"non_finite", bad}, {"pass", ok}};
+    if (beside) {
+      const bool w4a8 = other_plan->resolved_precision(T) == Precision::kW4a8;
+      check_cuda(cudaMemset(dout.get(), 0xFF, dout.size() * 2), "poison");
+      run_ours(*other_plan, dx.get(), dids.get(), dw.get(), T, dout.get());
+      check_cuda(cudaStreamSynchronize(stream), "run");
+      int64_t bad2 = 0;
+      const double err2 = reference_rel_l2(layer, x, topk, dout.download(), spread_rows(T, T), &bad2, w4a8);
+      const double bound = w4a8 ? kMaxW4a8RelL2 : kMaxRelL2;
+      const bool ok2 = err2 <= bound && bad2 == 0;
+      status |= ok2 ? 0 : 1;
+      std::printf("accuracy of %s vs the CPU %s (T=%lld): rel L2 %.3g (allowed %.0e), non-finite %lld: %s\n",
+                  opt.precision.c_str(), w4a8 ? "W4A8 emulation" : "reference", (long long)T, err2, bound,
+                  (long long)bad2, ok2 ? "PASS" : "FAIL");
+      report[opt.precision]["accuracy"] = {{"tokens", T}, {"rel_l2", err2}, {"non_finite", bad2}, {"pass", ok2}};
+    }
   }
 
   // ---- bf16 baseline weights: the unquantized originals first (cosine), then the dequantized
@@ -283,9 +311,25 @@ int run_bench(const BenchOptions& opt) {
       base->set_routing(topk);
       base->run(dx.get(), d_base.get(), stream);
       check_cuda(cudaStreamSynchronize(stream), "cosine runs");
-      const double cos = cosine(d_ours.download(), d_base.download());
+      const std::vector<uint16_t> ours_out = d_ours.download(), base_out = d_base.download();
+      const double cos = cosine(ours_out, base_out);
       std::printf("cosine similarity vs the unquantized bf16 layer (T=%lld): %.6f\n", (long long)T, cos);
       report["cosine_vs_unquantized"] = cos;
+      if (beside) {
+        // docs/w4a8.md §7's table on the GPU: the other precision against the unquantized layer
+        // and against the exact W4A16 output.
+        run_ours(*other_plan, dx.get(), dids.get(), dw.get(), T, d_ours.get());
+        check_cuda(cudaStreamSynchronize(stream), "cosine run");
+        const std::vector<uint16_t> other_out = d_ours.download();
+        std::vector<float> exact(ours_out.size());
+        for (size_t i = 0; i < exact.size(); ++i) exact[i] = bf16_to_f32(ours_out[i]);
+        int64_t bad = 0;
+        const double cos2 = cosine(other_out, base_out), vs_exact = rel_l2(other_out, exact, &bad);
+        std::printf("%s: cosine vs the unquantized bf16 layer %.6f, rel L2 vs the W4A16 output %.4f (T=%lld)\n",
+                    opt.precision.c_str(), cos2, vs_exact, (long long)T);
+        report[opt.precision]["cosine_vs_unquantized"] = cos2;
+        report[opt.precision]["rel_l2_vs_w4a16"] = vs_exact;
+      }
     }
     for (int64_t e = 0; e < ev; ++e) {
       const ExpertWeights& ex = e < E ? layer.experts[size_t(e)] : *layer.shared_expert;
@@ -305,11 +349,16 @@ int run_bench(const BenchOptions& opt) {
               shared_I ? " +shared" : "", opt.deterministic ? "deterministic" : "atomic combine", to_string(flush.mode()),
               opt.warm_ms > 0 ? ("each timing after " + std::to_string(opt.warm_ms) + " ms of untimed load").c_str()
                               : "timed without warm-up load");
-  std::printf("%7s %7s %10s %10s %8s %9s %9s %12s %8s %9s %7s\n", "T", "active", "floor_us", "us", "%floor", "TFLOP/s",
+  std::printf("%7s %7s %10s %10s %8s %9s %9s %12s %8s %9s %7s", "T", "active", "floor_us", "us", "%floor", "TFLOP/s",
               "GB/s", "bf16_us", "speedup", "rel_err", "sm_MHz");
+  if (beside) {
+    std::printf(" %8s %10s %10s %8s %9s %9s", "prec", "floor_us", "us", "%floor", "vs_w4a16", "rel_err");
+  }
+  std::printf("\n");
   report["device"] = prop.name;
   report["copy_tbps"] = copy_tbps;
   report["bf16_tflops"] = mma_tflops;
+  if (beside) report["fp8_tflops"] = fp8_tflops;
   report["l2_flush"] = to_string(flush.mode());
   report["warm_ms"] = opt.warm_ms;
   report["layer"] = {{"H", H}, {"I", I}, {"E", E}, {"top_k", k}, {"shared_I", shared_I}, {"preset", opt.checkpoint.empty() ? opt.preset : ckpt_dir}};
@@ -375,9 +424,39 @@ int run_bench(const BenchOptions& opt) {
     const double pct = 100.0 * floor_us / us;
     // sm_MHz: the mean SM clock over our timed replays ("-": no reading).
     const std::string mhz = clock.samples > 0 ? std::to_string(static_cast<int>(clock.mean_mhz + 0.5)) : "-";
-    std::printf("%7lld %7lld %10.1f %10.1f %7.1f%% %9.1f %9.0f %12.1f %7.2fx %9.2e %7s%s\n", (long long)T,
+    std::printf("%7lld %7lld %10.1f %10.1f %7.1f%% %9.1f %9.0f %12.1f %7.2fx %9.2e %7s%s", (long long)T,
                 (long long)active, floor_us, us, pct, flops / us * 1e-6, weights_bytes / us * 1e-3, base_us,
                 base_us > 0 ? base_us / us : 0.0, check_err, mhz.c_str(), check_ok ? "" : " FAIL");
+    nlohmann::json other_point;
+    if (beside) {
+      // The same inputs through the other plan, graph-replayed after the same flush; its floor
+      // takes the fp8 GEMM rate where the point runs W4A8.
+      const Precision ran = other_plan->resolved_precision(T);
+      const bool w4a8 = ran == Precision::kW4a8;
+      const double other_floor =
+          std::max(weights_bytes / (copy_tbps * 1e12), flops / ((w4a8 ? fp8_tflops : mma_tflops) * 1e12)) * 1e6;
+      run_ours(*other_plan, dx.get(), dids.get(), dw.get(), T, dout.get());
+      check_cuda(cudaStreamSynchronize(stream), "warm-up");
+      const Graph g(stream, [&] { run_ours(*other_plan, dx.get(), dids.get(), dw.get(), T, dout.get()); });
+      run_untimed_for([&] { g.launch(stream); }, stream, &flush, opt.warm_ms);
+      const double other_us = event_median_us([&] { g.launch(stream); }, opt.replays, 2, stream, &flush, 0);
+      check_cuda(cudaMemsetAsync(dout.get(), 0xFF, dout.size() * 2, stream), "poison");
+      g.launch(stream);
+      check_cuda(cudaStreamSynchronize(stream), "checked replay");
+      const auto other_got = dout.download();
+      int64_t other_rows_nonfinite = 0;
+      const int64_t other_nonfinite = count_nonfinite(other_got);
+      const double other_err = reference_rel_l2(layer, x, topk, other_got, rows, &other_rows_nonfinite, w4a8);
+      const bool other_ok = other_nonfinite == 0 && other_err <= (w4a8 ? kMaxW4a8RelL2 : kMaxRelL2);
+      status |= other_ok ? 0 : 1;
+      std::printf(" %8s %10.1f %10.1f %7.1f%% %8.2fx %9.2e%s", precision_name(ran), other_floor, other_us,
+                  100.0 * other_floor / other_us, us / other_us, other_err, other_ok ? "" : " FAIL");
+      other_point = {{"precision", precision_name(ran)}, {"floor_us", other_floor}, {"us", other_us},
+                     {"pct_floor", 100.0 * other_floor / other_us}, {"speedup_vs_w4a16", us / other_us},
+                     {"config", other_plan->describe(T)}, {"check_rel_l2", other_err},
+                     {"check_non_finite", other_nonfinite}, {"check_pass", other_ok}};
+    }
+    std::printf("\n");
     if (!check_ok) {
       std::printf("        T=%lld: %lld non-finite outputs, rel L2 %.3g on %lld checked tokens (allowed %.0e)\n",
                   (long long)T, (long long)nonfinite, check_err, (long long)rows.size(), kMaxRelL2);
@@ -388,6 +467,7 @@ int run_bench(const BenchOptions& opt) {
                                 {"bf16_us", base_us}, {"config", plan.describe(T)}, {"check_rel_l2", check_err},
                                 {"check_non_finite", nonfinite}, {"check_pass", check_ok},
                                 {"inputs_fnv1a", hex64(inputs_fingerprint(x, topk))}});
+    if (beside) report["points"].back()[opt.precision] = other_point;
     if (clock.samples > 0) {
       report["points"].back()["sm_clock"] = {{"mean_mhz", clock.mean_mhz}, {"min_mhz", clock.min_mhz},
                                              {"power_capped_share", clock.power_capped}, {"samples", clock.samples}};

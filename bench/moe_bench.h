@@ -1,4 +1,5 @@
-// `megamoe bench`: the W4A16 MoE layer against its floor and the bf16 cuBLAS baseline.
+// `megamoe bench`: the W4A16 MoE layer (and, beside it, W4A8 or auto) against its floor and the bf16
+// cuBLAS baseline.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +28,9 @@ struct BenchOptions {
   int check_tokens = 4;     // tokens checked against the CPU reference
   bool baseline = true;     // time the bf16 cuBLAS baseline too
   bool deterministic = false;
+  // "w4a8" or "auto": that precision's plan is timed beside W4A16's at every point, with its own
+  // floor (the fp8 GEMM rate where a point runs W4A8) and its own check ("w4a16": W4A16 alone).
+  std::string precision = "w4a16";
   std::optional<bool> fused;  // MoeTuning override (unset: the heuristic's choice)
   std::optional<bool> early_start;  // MoeTuning override (unset: the heuristic's choice)
   std::optional<bool> absorbing_tile;  // MoeTuning override (unset: the heuristic's choice)

@@ -105,4 +105,28 @@ std::vector<float> moe_forward_w4a8_f32(const MoeLayer& layer,
                                         std::span<const uint16_t> hidden_bf16, int64_t tokens,
                                         const TopK& topk, const ForwardOptions& opt = {});
 
+
+// The emulation of one expert, stage by stage, for tests of a W4A8 kernel's intermediates
+// (docs/w4a8.md §4, "Testing a kernel stage by stage"). expert: a routed expert in [0, E), or
+// kW4a8SharedExpert. Each projection's output n, beside the sum of its terms' magnitudes (the
+// scale of a fp8 MMA's accumulation error):
+//   value[n]     = Σ_b Σ_{i in block b} in_i·Ŵ_{n,i} · s2·2^k   (as moe_forward_w4a8, bit for bit)
+//   magnitude[n] = Σ_b Σ_{i in block b} |in_i·Ŵ_{n,i}| · s2·2^k
+// `in` is the dequantized input of the projection: x̂ (H values) for gate and up, â (that expert's
+// I values) for down, e.g. from w4a8_quantize_dequantize. Throws kInvalidArgument on a bad expert,
+// a size mismatch, or an invalid block scale.
+inline constexpr int kW4a8SharedExpert = -1;
+enum class W4a8Projection { kGate, kUp, kDown };
+struct W4a8ProjectionOutput {
+  std::vector<double> value, magnitude;
+};
+W4a8ProjectionOutput w4a8_project(const MoeLayer& layer, int expert, W4a8Projection proj,
+                                  std::span<const double> in);
+// a = silu(g)·u of the gate and up outputs, after the layer's clamp, unquantized (§2, §5).
+std::vector<double> w4a8_swiglu(const MoeLayer& layer, std::span<const double> gate,
+                                std::span<const double> up);
+// x̂ = e4m3(x·2^-e)·2^e per 128 consecutive values (§1): format::quantize_activation_w4a8 of one
+// row, dequantized exactly.
+std::vector<double> w4a8_quantize_dequantize(std::span<const double> x);
+
 }  // namespace megamoe::reference

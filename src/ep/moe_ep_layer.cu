@@ -285,6 +285,9 @@ MoeEpLayer MoeEpLayer::make(const EpGroup& group, const Shape& shape, bool deter
     return out;
   }
 
+  MEGAMOE_CHECK(config.precision != Precision::kW4a8, kUnsupported, "MoeEpLayer: precision w4a8 runs on one GPU ",
+                "only (world size 1): the w4a8/sm_90 row does not take the exchanged (gated) tokens of ",
+                config.world_size, " ranks yet. Use w4a16 (the exact path) or auto with expert parallelism");
   // The rank's own experts, on the rows that arrive from every rank (fp32 out). Gated
   // (run_gated): deterministic, so that no accumulator of R * max_t rows is zeroed per run.
   MoeProblem rp;

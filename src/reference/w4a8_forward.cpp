@@ -71,6 +71,16 @@ const WeightTable& weight_table(int k) {
   return *tables[k - kMinRescale];
 }
 
+// a = silu(g)·u after the layer's clamp (§5), in double.
+double swiglu(const MoeLayer& layer, double g, double up) {
+  if (layer.swiglu_limit) {
+    const double L = *layer.swiglu_limit;
+    g = std::min(g, L);
+    up = std::clamp(up, -L, L);
+  }
+  return silu(g) * up;
+}
+
 // One projection as the W4A8 MMA sees it: its rescale k and the global scale it is folded into.
 struct W4a8Linear {
   const Nvfp4Linear* w = nullptr;
@@ -192,14 +202,7 @@ struct W4a8Numerics {
         const std::array<double, kTileRows> g_acc = dot_tile_blocked(xt, gate_tile.data(), H);
         const std::array<double, kTileRows> u_acc = dot_tile_blocked(xt, up_tile.data(), H);
         for (int r = 0; r < kTileRows; ++r) {
-          double g = g_acc[r] * e.gate.scale;
-          double up = u_acc[r] * e.up.scale;
-          if (layer.swiglu_limit) {
-            const double L = *layer.swiglu_limit;
-            g = std::min(g, L);
-            up = std::clamp(up, -L, L);
-          }
-          u.act[p * I + i0 + r] = silu(g) * up;
+          u.act[p * I + i0 + r] = swiglu(layer, g_acc[r] * e.gate.scale, u_acc[r] * e.up.scale);
         }
       }
     }
@@ -273,6 +276,61 @@ W4a8Numerics prepare(const MoeLayer& layer, std::span<const uint16_t> hidden_bf1
 }
 
 }  // namespace
+
+W4a8ProjectionOutput w4a8_project(const MoeLayer& layer, int expert, W4a8Projection proj,
+                                  std::span<const double> in) {
+  constexpr const char* kProjFn = "w4a8_project";
+  layer.validate();
+  MEGAMOE_CHECK(expert == kW4a8SharedExpert || (expert >= 0 && expert < layer.num_experts), kInvalidArgument,
+                kProjFn, ": expert ", expert, " is neither a routed expert (0..", layer.num_experts - 1,
+                ") nor kW4a8SharedExpert (-1)");
+  MEGAMOE_CHECK(expert != kW4a8SharedExpert || layer.shared_expert, kInvalidArgument, kProjFn,
+                ": the layer has no shared expert");
+  const ExpertWeights& w = expert == kW4a8SharedExpert ? *layer.shared_expert : layer.experts[expert];
+  const char* name = proj == W4a8Projection::kGate ? "gate_proj" : proj == W4a8Projection::kUp ? "up_proj" : "down_proj";
+  const Nvfp4Linear& lin = proj == W4a8Projection::kGate ? w.gate : proj == W4a8Projection::kUp ? w.up : w.down;
+  MEGAMOE_CHECK(static_cast<int64_t>(in.size()) == lin.in_features && lin.in_features % kBlock == 0,
+                kInvalidArgument, kProjFn, ": ", name, " takes ", lin.in_features,
+                " inputs (a multiple of 128), got ", in.size());
+  const W4a8Linear L = prepare_linear(lin, expert == kW4a8SharedExpert ? "the shared expert" : "expert " + std::to_string(expert), name);
+  const int64_t K = lin.in_features, blocks16 = K / format::kNvfp4BlockSize;
+  W4a8ProjectionOutput out{std::vector<double>(lin.out_features), std::vector<double>(lin.out_features)};
+  for (int64_t n = 0; n < lin.out_features; ++n) {
+    const uint8_t* codes = lin.weight + n * (K / 2);
+    const uint8_t* sbytes = lin.weight_scale + n * blocks16;
+    double value = 0.0, magnitude = 0.0;
+    for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+      double part = 0.0, part_mag = 0.0;  // exact (docs/w4a8.md §4)
+      for (int64_t k = k0; k < k0 + kBlock; ++k) {
+        const uint8_t c = k % 2 == 0 ? codes[k / 2] & 0xF : codes[k / 2] >> 4;
+        const double term = in[k] * static_cast<double>(L.table->v[sbytes[k / format::kNvfp4BlockSize]][c]);
+        part += term;
+        part_mag += std::fabs(term);
+      }
+      value += part;
+      magnitude += part_mag;
+    }
+    out.value[n] = value * L.scale;
+    out.magnitude[n] = magnitude * L.scale;
+  }
+  return out;
+}
+
+std::vector<double> w4a8_swiglu(const MoeLayer& layer, std::span<const double> gate, std::span<const double> up) {
+  MEGAMOE_CHECK(gate.size() == up.size(), kInvalidArgument, "w4a8_swiglu: ", gate.size(), " gate and ", up.size(),
+                " up values; they must be as many");
+  std::vector<double> a(gate.size());
+  for (size_t i = 0; i < a.size(); ++i) a[i] = swiglu(layer, gate[i], up[i]);
+  return a;
+}
+
+std::vector<double> w4a8_quantize_dequantize(std::span<const double> x) {
+  MEGAMOE_CHECK(x.size() % kBlock == 0, kInvalidArgument, "w4a8_quantize_dequantize: ", x.size(),
+                " values; W4A8 quantizes whole blocks of 128");
+  std::vector<double> out(x.size());
+  quantize_dequantize(x.data(), static_cast<int64_t>(x.size()), out.data());
+  return out;
+}
 
 std::vector<uint16_t> moe_forward_w4a8(const MoeLayer& layer,
                                        std::span<const uint16_t> hidden_bf16, int64_t tokens,

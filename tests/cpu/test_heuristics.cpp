@@ -260,27 +260,14 @@ TEST(TileTable, EveryHeuristicChoiceIsAnEntry) {
   EXPECT_GT(checked, 0);
 }
 
-// Whether this build's w4a8 row runs plans: it refuses every one until its GPU tests have passed
-// (issue 44), unless the build enables it (MEGAMOE_W4A8_UNVERIFIED).
-bool w4a8_row_enabled() {
-  try {
-    runtime::find_backend(90, Precision::kW4a8)->validate(preset_problem("qwen3-30b-a3b"));
-    return true;
-  } catch (const Error&) {
-    return false;
-  }
-}
-
 // The precision is resolved once, at plan time, into backend rows (runtime::resolve_backends).
-// sm_90 has two rows, w4a8 (asked first by auto) and w4a16. w4a8 refuses with a message naming
-// the exact path and the CPU emulation until enabled; auto keeps it only where it can run and
+// sm_90 has two rows, w4a8 (asked first by auto) and w4a16. auto keeps w4a8 where it can run and
 // still takes w4a16 at every T (w4a8's auto_accepts is false until measured); another
 // architecture is refused.
 TEST(BackendTable, PrecisionResolvesToTheBuiltRows) {
   ASSERT_NE(runtime::find_backend(90, Precision::kW4a16), nullptr);
   ASSERT_NE(runtime::find_backend(90, Precision::kW4a8), nullptr);
   EXPECT_EQ(runtime::built_backends(), "w4a8/sm_90, w4a16/sm_90");
-  const bool w4a8_runs = w4a8_row_enabled();
   for (const char* name : {"deepseek-v3", "qwen3-30b-a3b"}) {
     SCOPED_TRACE(name);
     MoeProblem exact = preset_problem(name);
@@ -292,20 +279,16 @@ TEST(BackendTable, PrecisionResolvesToTheBuiltRows) {
     ASSERT_EQ(exact_rows.size(), 1u);
     EXPECT_EQ(exact_rows[0]->name(), "w4a16/sm_90");
     const auto auto_rows = runtime::resolve_backends(automatic, 90);
-    ASSERT_EQ(auto_rows.size(), w4a8_runs ? 2u : 1u);
+    ASSERT_EQ(auto_rows.size(), 2u);
+    EXPECT_EQ(auto_rows[0]->name(), "w4a8/sm_90");
     EXPECT_EQ(auto_rows.back()->name(), "w4a16/sm_90");
     for (const int64_t T : {1, 17, 128, 1000, 4096, 16384}) {
       EXPECT_TRUE(auto_rows.back()->auto_accepts(automatic, T));
       EXPECT_FALSE(runtime::find_backend(90, Precision::kW4a8)->auto_accepts(automatic, T));
     }
-    if (w4a8_runs) {
-      const auto rows = runtime::resolve_backends(w4a8, 90);
-      ASSERT_EQ(rows.size(), 1u);
-      EXPECT_EQ(rows[0]->name(), "w4a8/sm_90");
-    } else {
-      EXPECT_MEGAMOE_ERROR(runtime::resolve_backends(w4a8, 90), kUnsupported, "precision w4a8 is not enabled",
-                           "GPU tests", "exact path", "megamoe reference --precision w4a8");
-    }
+    const auto rows = runtime::resolve_backends(w4a8, 90);
+    ASSERT_EQ(rows.size(), 1u);
+    EXPECT_EQ(rows[0]->name(), "w4a8/sm_90");
     EXPECT_MEGAMOE_ERROR(runtime::resolve_backends(exact, 80), kUnsupported, "sm_80", "w4a16/sm_90");
     EXPECT_MEGAMOE_ERROR(runtime::resolve_backends(exact, 80, "device 3 (A100, sm_80)"), kUnsupported,
                          "device 3 (A100, sm_80) is not supported", "w4a16/sm_90");

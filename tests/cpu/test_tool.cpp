@@ -647,10 +647,10 @@ TEST_F(ToolSynth, RunOnGpuMatchesReference) {
       << "--deterministic runs differ";
 }
 
-// `run --precision`: w4a8 fails at the plan with the clear message (the w4a8/sm_90 row is not
-// enabled until its GPU tests pass, issue 44; it names the exact path and the CPU emulation), auto runs w4a16 (said on stderr) and
-// gives the w4a16 output bit for bit. Needs a Hopper GPU; skipped (visibly) elsewhere.
-TEST_F(ToolSynth, RunPrecisionW4a8FailsClearlyAutoRunsW4a16) {
+// `run --precision`: w4a8 runs the w4a8/sm_90 row (said on stderr) near the W4A8 emulation of
+// `megamoe reference --precision w4a8` and away from the exact output; auto runs w4a16 (said on
+// stderr) and gives the w4a16 output bit for bit. Needs a Hopper GPU; skipped (visibly) elsewhere.
+TEST_F(ToolSynth, RunPrecisionW4a8RunsItsRowAutoRunsW4a16) {
   if (gpu_count() == 0) {
     GTEST_SKIP() << "no CUDA device: `megamoe run --precision` test skipped (run it on the GPU machine)";
   }
@@ -661,12 +661,13 @@ TEST_F(ToolSynth, RunPrecisionW4a8FailsClearlyAutoRunsW4a16) {
   write_file(x, {{{"hidden", DType::BF16, {T, 2048}}, to_bytes(random_hidden(rng, T))}});
   const std::string args = "run --deterministic --checkpoint " + q(ckpt_) + " --layer 0 --input " + q(x) + " --output ";
   const fs::path y8 = dir_ / "w4a8.safetensors", y16 = dir_ / "w4a16.safetensors", ya = dir_ / "auto.safetensors";
+  const fs::path r8 = dir_ / "ref_w4a8.safetensors";
   ToolResult r = run_tool(args + q(y8) + " --precision w4a8");
-  EXPECT_EQ(r.code, 1) << r.output;
-  for (const char* part : {"megamoe run: error: ", "precision w4a8 is not enabled", "GPU tests",
-                           "w4a16, the exact path", "megamoe reference --precision w4a8"})
-    EXPECT_NE(r.output.find(part), std::string::npos) << part << " in " << r.output;
-  EXPECT_FALSE(fs::exists(y8));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find(" w4a8 L1{"), std::string::npos) << r.output;
+  r = run_tool("reference --checkpoint " + q(ckpt_) + " --layer 0 --input " + q(x) + " --output " + q(r8) +
+               " --precision w4a8");
+  ASSERT_EQ(r.code, 0) << r.output;
   r = run_tool(args + q(y16) + " --precision w4a16");
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find(" w4a16 L1{"), std::string::npos) << r.output;
@@ -675,10 +676,18 @@ TEST_F(ToolSynth, RunPrecisionW4a8FailsClearlyAutoRunsW4a16) {
   EXPECT_NE(r.output.find(" w4a16 (auto) L1{"), std::string::npos) << r.output;
   EXPECT_EQ(raw_bytes(*SafetensorsFile::open(ya.string()), "output"),
             raw_bytes(*SafetensorsFile::open(y16.string()), "output"));
+  // docs/w4a8.md §4.1: no error of order 1 (a wrong row, scale or block); e4m3 itself puts W4A8
+  // about 6% from the exact output (§7).
+  const auto out_of = [](const fs::path& f) {
+    return read_tensor<uint16_t>(*SafetensorsFile::open(f.string()), "output");
+  };
+  const std::vector<uint16_t> got8 = out_of(y8);
+  EXPECT_LE(megamoe::testing::compare(got8, megamoe::testing::widen(out_of(r8))).rel_l2, 0.05);
+  EXPECT_GE(megamoe::testing::compare(got8, megamoe::testing::widen(out_of(y16))).rel_l2, 0.01);
 }
 
 // `run --ep 2 --precision w4a8`: the launcher passes the precision to its ranks, whose layers
-// refuse it with the same message. Needs two GPUs; skipped (visibly) elsewhere.
+// refuse it (w4a8 runs on one GPU only). Needs two GPUs; skipped (visibly) elsewhere.
 TEST_F(ToolSynth, RunExpertParallelPrecisionW4a8FailsClearly) {
   if (gpu_count() < 2) {
     GTEST_SKIP() << "fewer than 2 CUDA devices: `megamoe run --ep 2 --precision` test skipped (run it on a 2-GPU machine)";
@@ -695,8 +704,7 @@ TEST_F(ToolSynth, RunExpertParallelPrecisionW4a8FailsClearly) {
   const ToolResult r = run_tool("run --ep 2 --precision w4a8 --checkpoint " + q(ckpt_) + " --layer 0 --input " +
                                 q(x) + " --output " + q(y));
   EXPECT_EQ(r.code, 1) << r.output;
-  for (const char* part : {"precision w4a8 is not enabled", "GPU tests", "megamoe reference --precision w4a8",
-                           "failed (exit status 1)"})
+  for (const char* part : {"precision w4a8 runs on one GPU only", "w4a16", "failed (exit status 1)"})
     EXPECT_NE(r.output.find(part), std::string::npos) << part << " in " << r.output;
   EXPECT_FALSE(fs::exists(y));
 }

@@ -711,6 +711,70 @@ TEST(W4a8Reference, RandomLayersMatchNaiveBitwiseAndStayNearW4a16) {
   }
 }
 
+// The stage-by-stage API (w4a8_project, w4a8_swiglu, w4a8_quantize_dequantize) composed per
+// (token, slot) is the emulation: the same fp32 output bit for bit, with and without the clamp.
+TEST(W4a8Reference, StagesComposeToTheEmulationBitwise) {
+  const SeedTrace seed;
+  Rng rng(seed);
+  const int64_t H = 256, I = 128, I_shared = 256, E = 4, T = 5;
+  const int k = 2;
+  MoeLayer layer = random_layer(rng, H, I, E, k, I_shared, std::nullopt, kW4a8Weights);
+  const std::vector<uint16_t> hidden = random_hidden(rng, T, H, HiddenValues::kScaledBlocks);
+  const TopK topk = arbitrary_topk(rng, T, E, k);
+  for (const std::optional<float> clamp : {std::optional<float>{}, std::optional<float>{0.05f}}) {
+    SCOPED_TRACE(clamp ? "clamp" : "no clamp");
+    layer.swiglu_limit = clamp;
+    const std::vector<float> want = reference::moe_forward_w4a8_f32(layer, hidden, T, topk);
+    for (int64_t t = 0; t < T; ++t) {
+      std::vector<double> x(H);
+      for (int64_t h = 0; h < H; ++h) x[h] = bf16_to_f32(hidden[t * H + h]);
+      const std::vector<double> x_hat = reference::w4a8_quantize_dequantize(x);
+      auto expert_out = [&](int e) {
+        const auto g = reference::w4a8_project(layer, e, reference::W4a8Projection::kGate, x_hat);
+        const auto u = reference::w4a8_project(layer, e, reference::W4a8Projection::kUp, x_hat);
+        for (size_t i = 0; i < g.value.size(); ++i) {
+          EXPECT_GE(g.magnitude[i], std::fabs(g.value[i]));
+          EXPECT_GE(u.magnitude[i], std::fabs(u.value[i]));
+        }
+        const std::vector<double> a_hat =
+            reference::w4a8_quantize_dequantize(reference::w4a8_swiglu(layer, g.value, u.value));
+        return reference::w4a8_project(layer, e, reference::W4a8Projection::kDown, a_hat).value;
+      };
+      std::vector<double> sum(H, 0.0);
+      for (int j = 0; j < k; ++j) {
+        const std::vector<double> y = expert_out(topk.ids[t * k + j]);
+        for (int64_t h = 0; h < H; ++h) sum[h] += double{topk.weights[t * k + j]} * y[h];
+      }
+      const std::vector<double> y = expert_out(reference::kW4a8SharedExpert);
+      for (int64_t h = 0; h < H; ++h) sum[h] += y[h];
+      int mismatches = 0;
+      for (int64_t h = 0; h < H; ++h) {
+        const float got = static_cast<float>(sum[h]);
+        if (std::memcmp(&got, &want[t * H + h], 4) != 0 && ++mismatches <= 3) {
+          ADD_FAILURE() << "token " << t << ", h " << h << ": stages " << got << ", emulation " << want[t * H + h];
+        }
+      }
+      EXPECT_EQ(mismatches, 0);
+    }
+  }
+}
+
+TEST(W4a8Reference, StagesRejectBadArguments) {
+  Rng rng(7);
+  const MoeLayer layer = random_layer(rng, 128, 128, 2, 1, 0, std::nullopt, kW4a8Weights);
+  const std::vector<double> x(128, 1.0);
+  using reference::W4a8Projection;
+  EXPECT_MEGAMOE_ERROR(reference::w4a8_project(layer, 2, W4a8Projection::kGate, x), kInvalidArgument,
+                       "expert 2 is neither a routed expert (0..1)");
+  EXPECT_MEGAMOE_ERROR(reference::w4a8_project(layer, reference::kW4a8SharedExpert, W4a8Projection::kGate, x),
+                       kInvalidArgument, "no shared expert");
+  EXPECT_MEGAMOE_ERROR(reference::w4a8_project(layer, 0, W4a8Projection::kUp, std::vector<double>(64)),
+                       kInvalidArgument, "up_proj takes 128 inputs");
+  EXPECT_MEGAMOE_ERROR(reference::w4a8_swiglu(layer, x, std::vector<double>(3)), kInvalidArgument, "as many");
+  EXPECT_MEGAMOE_ERROR(reference::w4a8_quantize_dequantize(std::vector<double>(100)), kInvalidArgument,
+                       "whole blocks of 128");
+}
+
 // A layer where every value is representable: hidden values of 2 significant bits, weights
 // whose products are exact in e4m3, gate outputs of 2 significant bits >= 48 (so silu(g) = g in
 // double) and up outputs of 2 significant bits, so every a = g·u has at most 4 and is exact in

@@ -452,26 +452,19 @@ TEST(GpuMoe, RejectsBadProblems) {
   EXPECT_THROW(MoePlan::create(p), Error);
 }
 
-// Precision: until the w4a8/sm_90 row is enabled (issue 44: its GPU tests, test_gpu_w4a8_moe.cpp)
-// the plan refuses w4a8 with a message that names the exact path and the CPU emulation; auto
-// resolves to w4a16 at every T (visible in describe) and gives the w4a16 plan's output bit for bit.
-TEST(GpuMoe, PrecisionW4a8IsRefusedAndAutoRunsW4a16) {
+// Precision: w4a8 plans resolve to the w4a8/sm_90 row (its tests: test_gpu_w4a8_moe.cpp) and
+// say so in describe; auto resolves to w4a16 at every T (visible in describe) and gives the w4a16
+// plan's output bit for bit.
+TEST(GpuMoe, PrecisionW4a8RunsItsRowAndAutoRunsW4a16) {
   MEGAMOE_REQUIRE_GPU();
   const testing::SeedTrace seed;
   testing::Rng rng(seed);
   const MoeLayer layer = testing::random_layer(rng, 256, 128, 8, 2);
   MoeProblem p = MoeProblem::from_layer(layer, 64);
   p.precision = Precision::kW4a8;
-  bool w4a8_enabled = true;
-  try {
-    MoePlan::create(p);
-  } catch (const Error&) {
-    w4a8_enabled = false;
-  }
-  if (!w4a8_enabled) {
-    EXPECT_MEGAMOE_ERROR(MoePlan::create(p), kUnsupported, "w4a8", "not enabled", "GPU tests", "w4a16",
-                         "megamoe reference --precision w4a8");
-  }
+  const MoePlan w4a8 = MoePlan::create(p);
+  EXPECT_EQ(w4a8.resolved_precision(64), Precision::kW4a8);
+  EXPECT_NE(w4a8.describe(64).find("w4a8 L1{"), std::string::npos) << w4a8.describe(64);
   GpuMoe gpu(layer, 64, /*deterministic=*/true);
   const MoePlan exact = gpu.plan;
   EXPECT_EQ(exact.resolved_precision(64), Precision::kW4a16);

@@ -198,6 +198,11 @@ Command add_bench_command(CLI::App& parent) {
       ->capture_default_str();
   app->add_flag("!--no-baseline", opt->baseline, "skip the bf16 cuBLAS baseline (with --ep: baselines (a) and (b))");
   app->add_flag("--deterministic", opt->deterministic, "fixed-order combine");
+  app->add_option("--precision", opt->precision,
+                  "w4a8 or auto: time that precision's plan beside W4A16's at every point (its floor with the fp8 "
+                  "GEMM rate where it runs W4A8, its output checked against the W4A8 emulation); w4a16: W4A16 alone")
+      ->check(CLI::IsMember({"w4a16", "w4a8", "auto"}))
+      ->capture_default_str();
   auto fused = std::make_shared<std::string>();
   app->add_option("--fused", *fused, "override the heuristic: the fused L1 + L2 launch (16- and 32-token decode tiles: up to 24 tokens per expert)")
       ->check(CLI::IsMember({"on", "off"}));
@@ -245,6 +250,9 @@ Command add_bench_command(CLI::App& parent) {
   return {app, [opt, fused, early_start, absorbing_tile, ep, app] {
             if (ep->ep_rank >= 0) return run_ep_rank(*ep);
             if (!early_start->empty()) opt->early_start = *early_start == "on";
+            MEGAMOE_CHECK(app->count("--precision") == 0 || (app->count("--ep") == 0 && app->count("--ep-loopback") == 0),
+                          kInvalidArgument, "bench: --precision times the single-GPU layer; the expert-parallel "
+                          "benchmarks (--ep, --ep-loopback) run w4a16");
             if (app->count("--ep-loopback") > 0) {
               MEGAMOE_CHECK(app->count("--ep") == 0 && app->count("--ep-deadline") == 0, kInvalidArgument,
                             "bench --ep-loopback runs virtual ranks in this process: it takes neither --ep nor "

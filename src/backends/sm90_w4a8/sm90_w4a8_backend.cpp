@@ -19,12 +19,6 @@ class Sm90W4a8Backend final : public Sm90PrepackedBackend {
   // Not measured against W4A16 yet (issue 44): auto stays exact.
   bool auto_accepts(const MoeProblem&, int64_t) const override { return false; }
   void validate(const MoeProblem& problem) const override {
-#if !MEGAMOE_W4A8_UNVERIFIED
-    MEGAMOE_FAIL(kUnsupported, "MoePlan: precision w4a8 is not enabled on sm_90: its kernels are built but their GPU "
-                 "tests have not passed yet (issue 44; configure with -DMEGAMOE_W4A8_UNVERIFIED=ON to run them). Use "
-                 "w4a16, the exact path (the default), or auto; the W4A8 numerics can be computed on the CPU with "
-                 "`megamoe reference --precision w4a8`");
-#endif
     validate_sm90_w4a8_problem(problem);
   }
   size_t workspace_bytes(const MoeProblem& problem) const override { return w4a8_workspace_layout(problem).total; }
