@@ -51,6 +51,17 @@ bool can_absorb(const MoeProblem& problem) {
   return (2 * problem.intermediate_size) % rows_per_block == 0 && problem.hidden_size % rows_per_block == 0;
 }
 
+double DeviceFigures::dram_bytes_per_sm_clock() const {
+  return sms > 0 && sm_clock_hz > 0 ? dram_bytes_per_s / (sms * sm_clock_hz) : 0.0;
+}
+
+int find_tile_by_name(const std::string& name) {
+  for (int i = 0; i < kW4a16TileCount; ++i) {
+    if (name == kW4a16Tiles[i].name) return i;
+  }
+  return -1;
+}
+
 bool MoeConfig::can_fuse() const {
   const int tile = find_w4a16_tile(l1);
   return l1.same_tile(l2) && tile >= 0 && kW4a16Tiles[tile].fusable;
@@ -118,26 +129,59 @@ double DecodeTileCounts::tiles32() {
   return *tiles32_;
 }
 
+namespace {
+
+// Tokens per expert up to which a GEMM takes each tile; past the last, the two-warpgroup
+// 128-token tile.
+struct WidthCutoffs {
+  double decode16, decode32, decode48, middle64;
+};
+
+// The tile choices measured on one balance of DRAM rate to SM issue (bytes per SM clock, nominal).
+struct WidthRow {
+  double min_bytes_per_sm_clock;  // the row applies from this balance up
+  WidthCutoffs l1, l2;
+};
+
+// One row per measured balance, ascending. The first is the H100 SXM's (12.8 B per SM clock),
+// where every choice through docs/perf v29 was measured; it also serves any device below the
+// next row.
+inline constexpr WidthRow kWidthRows[] = {
+    {0.0, {16, 24, 40, 48}, {16, 24, 40, 48}},
+};
+
+const WidthRow& width_row(const DeviceFigures& device) {
+  const double balance = device.dram_bytes_per_sm_clock();
+  const WidthRow* row = &kWidthRows[0];
+  for (const WidthRow& r : kWidthRows) {
+    if (balance >= r.min_bytes_per_sm_clock) row = &r;
+  }
+  return *row;
+}
+
+}  // namespace
+
 namespace heuristic {
 
 // Each token tile holds an average expert's tokens in one piece (the weights are then decoded
 // once) and is as narrow as that allows: the decode regime is instruction-bound, and a wider tile
 // than needed pays wgmma columns and registers (fewer CTAs) for nothing. The 64-token tile (two
 // chunks per wgmma round trip) beats the 128-token tile up to 48 tokens per expert, not at 64
-// (H200 records v2-v7).
-MoeConfig width_tiles(const MoeProblem& problem, int64_t tokens) {
+// (H200 records v2-v7). The cut-offs come from the device's row of kWidthRows.
+MoeConfig width_tiles(const MoeProblem& problem, int64_t tokens, const DeviceFigures& device) {
   const double per_expert = tokens_per_expert(problem, tokens);
-  auto pick = [&](int64_t m_tiles) {
-    if (per_expert <= 16) return kFusedTile;  // two launches often take the 32-token tile: below
-    if (per_expert <= 24) return kFusedTile32;
-    if (per_expert <= 40) return kDecode48Tile;
+  const WidthRow& row = width_row(device);
+  auto pick = [&](const WidthCutoffs& c, int64_t m_tiles) {
+    if (per_expert <= c.decode16) return kFusedTile;  // two launches often take the 32-token tile: below
+    if (per_expert <= c.decode32) return kFusedTile32;
+    if (per_expert <= c.decode48) return kDecode48Tile;
     // The two-warpgroup 128-token tile needs an even number of 64-row tiles.
-    if (per_expert <= 48 || m_tiles % 2 != 0) return kMiddleTile;
+    if (per_expert <= c.middle64 || m_tiles % 2 != 0) return kMiddleTile;
     return kPrefillTile;
   };
   MoeConfig cfg;
-  cfg.l1 = pick(2 * problem.intermediate_size / 64);
-  cfg.l2 = pick(problem.hidden_size / 64);
+  cfg.l1 = pick(row.l1, 2 * problem.intermediate_size / 64);
+  cfg.l2 = pick(row.l2, problem.hidden_size / 64);
   return cfg;
 }
 
@@ -193,7 +237,7 @@ int l2_k_splits(const MoeProblem& problem, int64_t tokens) {
 // - Short K (Qwen3's L2): its one CTA per SM has no other CTA to cover an item's fill and
 //   epilogue, which short items make frequent: only where it saves a quarter of the tiles, or from
 //   256 tokens per expert (docs/perf/2026-11-22-h100-w4a16-v21.md, -v22.md).
-bool absorbing_pays(const MoeProblem& problem, int64_t tokens, const MoeConfig& cfg) {
+bool absorbing_pays(const MoeProblem& problem, int64_t tokens, const MoeConfig& cfg, const DeviceFigures& device) {
   if (cfg.l1.block_n != kPrefillTile.block_n || cfg.l2.block_n != kPrefillTile.block_n || !can_absorb(problem)) {
     return false;
   }
@@ -206,7 +250,7 @@ bool absorbing_pays(const MoeProblem& problem, int64_t tokens, const MoeConfig& 
 // From 256 tokens per expert each warpgroup decodes a k16 step while its previous step's wgmma
 // runs. Its two token widths (64, 128) waste more of an expert's last tile than the plain tile's
 // four (32 .. 128), which costs most where an expert has one or two tiles.
-void overlap_prefill(const MoeProblem& problem, int64_t tokens, MoeConfig& cfg) {
+void overlap_prefill(const MoeProblem& problem, int64_t tokens, MoeConfig& cfg, const DeviceFigures& device) {
   if (cfg.l1.block_n == kPrefillTile.block_n && cfg.l1.last_tile_extra == 0 &&
       cfg.l2.block_n == kPrefillTile.block_n && tokens_per_expert(problem, tokens) >= 256) {
     cfg.l1 = kOverlappedPrefillTile;
@@ -216,8 +260,8 @@ void overlap_prefill(const MoeProblem& problem, int64_t tokens, MoeConfig& cfg) 
 
 }  // namespace heuristic
 
-MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms) {
-  MoeConfig cfg = heuristic::width_tiles(problem, tokens);
+MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms, const DeviceFigures& device) {
+  MoeConfig cfg = heuristic::width_tiles(problem, tokens, device);
   DecodeTileCounts tiles(problem, tokens);
   cfg.fused = heuristic::fuse_decode16(problem, num_sms, cfg, tiles);
   heuristic::widen_unfused_decode(cfg, tiles);
@@ -226,11 +270,11 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   // A tiny batch's L1 CTAs start their first items while the dispatch kernel runs: the dispatch
   // (one CTA) and the hand-off leave the critical path (sm90_w4a16_scheduler.cuh, early start).
   cfg.early_start = can_start_early(problem, tokens);
-  if (heuristic::absorbing_pays(problem, tokens, cfg)) {
+  if (heuristic::absorbing_pays(problem, tokens, cfg, device)) {
     cfg.l1 = kAbsorbingTile;
     cfg.l2 = kAbsorbingTile;
   }
-  heuristic::overlap_prefill(problem, tokens, cfg);
+  heuristic::overlap_prefill(problem, tokens, cfg, device);
   return cfg;
 }
 
