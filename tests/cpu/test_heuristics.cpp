@@ -22,10 +22,11 @@ namespace {
 
 // The figures cudaDeviceGetAttribute gives (DeviceFigures): an H100 SXM (HBM3 at 2619 MHz on
 // 5120 bits: 3.35 TB/s; 1980 MHz; 50 MiB L2), where the heuristic was first tuned, and an H200
-// (4.8 TB/s nominal; 1980 MHz; 60 MiB L2). The H200's measured copy rate (4.2 TB/s) must give the
-// same choices as its nominal one.
+// (HBM3e at 3201 MHz on 6144 bits: 4.92 TB/s; 1980 MHz; 60 MiB L2). The H200's quoted 4.8 TB/s
+// and its measured copy rate (4.2 TB/s) must give the same choices.
 constexpr DeviceFigures kH100{132, 2 * 2619e6 * 640, 1980e6, 50ll << 20};
-constexpr DeviceFigures kH200{132, 4.8e12, 1980e6, 60ll << 20};
+constexpr DeviceFigures kH200{132, 2 * 3201e6 * 768, 1980e6, 60ll << 20};
+constexpr DeviceFigures kH200Quoted{132, 4.8e12, 1980e6, 60ll << 20};
 constexpr DeviceFigures kH200Copy{132, 4.2e12, 1980e6, 60ll << 20};
 
 MoeConfig h100_config(const MoeProblem& p, int64_t T, int sms = 132) { return choose_moe_config(p, T, sms, kH100); }
@@ -116,6 +117,43 @@ TEST(Heuristics, H100FiguresKeepTheirChoices) {
     EXPECT_EQ(tile_names(h100_config(routed_only(deepseek_v3()), Ts[i])), dsv3[i]) << "T=" << Ts[i];
     EXPECT_EQ(tile_names(h100_config(qwen3_30b(), Ts[i])), qwen3[i]) << "T=" << Ts[i];
   }
+}
+
+// The H200's figures take the tiles measured fastest there at T = 256 ... 4096
+// (docs/perf/2026-11-29-h200-w4a16-v36.md): the 128-token tile from 40 tokens per expert, the
+// absorbing tile from 96 at long K, the overlapped 128-token tile from 96 at short K. Decided by
+// the DRAM rate per SM clock alone: the same at the H200's quoted and measured rates, the H100's
+// choices at the H100's.
+TEST(Heuristics, H200FiguresTakeTheTilesMeasuredThere) {
+  EXPECT_NEAR(kH100.dram_bytes_per_sm_clock(), 12.8, 0.1);
+  EXPECT_NEAR(kH200.dram_bytes_per_sm_clock(), 18.8, 0.1);
+  EXPECT_NEAR(kH200Copy.dram_bytes_per_sm_clock(), 16.1, 0.1);
+  const int64_t Ts[] = {256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096};
+  const char* dsv3[] = {"decode16/decode16", "decode32/decode32", "decode32/decode32",
+                        "decode32/decode32", "decode48/decode48", "prefill128/prefill128",
+                        "prefill128/prefill128", "absorbing160/absorbing160", "absorbing160/absorbing160"};
+  const char* qwen3[] = {"decode32/decode32+fused", "decode32/decode32", "decode48/decode48",
+                         "prefill128/prefill128", "prefill128/prefill128", "overlapped128/overlapped128",
+                         "absorbing160/absorbing160", "overlapped128/overlapped128", "absorbing160/absorbing160"};
+  for (const DeviceFigures& device : {kH200, kH200Quoted, kH200Copy}) {
+    for (size_t i = 0; i < std::size(Ts); ++i) {
+      EXPECT_EQ(tile_names(choose_moe_config(routed_only(deepseek_v3()), Ts[i], 132, device)), dsv3[i])
+          << "T=" << Ts[i] << " " << device.dram_bytes_per_s;
+      EXPECT_EQ(tile_names(choose_moe_config(qwen3_30b(), Ts[i], 132, device)), qwen3[i])
+          << "T=" << Ts[i] << " " << device.dram_bytes_per_s;
+    }
+  }
+  // Decode (T <= 64 here) is the H100's at every T: only the prefill thresholds moved.
+  for (const MoeProblem& p : {deepseek_v3(), routed_only(deepseek_v3()), qwen3_30b()}) {
+    for (int64_t T : {1, 2, 4, 8, 16, 32, 64, 128}) {
+      for (int sms : {78, 132}) {
+        EXPECT_EQ(h200_config(p, T, sms).to_string(), h100_config(p, T, sms).to_string()) << "T=" << T;
+      }
+    }
+  }
+  // The same layer on a device between the two (an H100 with 14 B per SM clock) keeps the H100's.
+  const DeviceFigures between{132, 14.0 * 132 * 1980e6, 1980e6, 50ll << 20};
+  EXPECT_EQ(tile_names(choose_moe_config(qwen3_30b(), 768, 132, between)), "middle64/middle64");
 }
 
 // The 128-token tile's overlapped K loop from 256 tokens per expert, in both GEMMs.
