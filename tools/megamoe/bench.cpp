@@ -221,15 +221,13 @@ Command add_bench_command(CLI::App& parent) {
                   "override the heuristic: both GEMMs on the absorbing tile (four warpgroups, 128-token items, an "
                   "expert's last up to 160; needs H and 2I multiples of 256)")
       ->check(CLI::IsMember({"on", "off"}));
-  std::string tiles;
-  for (const std::string& name : w4a16_tile_names()) tiles += (tiles.empty() ? "" : ", ") + name;
   for (auto [flag, field, gemm] : {std::tuple{"--l1-tile", &opt->l1_tile, "L1 (x W13, SwiGLU)"},
                                    std::tuple{"--l2-tile", &opt->l2_tile, "L2 (act W2, combine)"}}) {
     app->add_option_function<std::string>(
            flag, [field](const std::string& name) { *field = name; },
-           std::string("override the heuristic: ") + gemm + "'s tile, a row of the W4A16 tile table (" + tiles +
-               "); the layer then runs two launches without early start (with --fused on: one, where both GEMMs "
-               "take decode16 or decode32)")
+           std::string("override the heuristic: ") + gemm +
+               "'s tile, by its name in the W4A16 tile table; the layer then runs two launches without early "
+               "start (with --fused on: one, where both GEMMs take decode16 or decode32)")
         ->check(CLI::IsMember(w4a16_tile_names()));
   }
   app->add_option("--seed", opt->seed, "seed of the synthesized weights and inputs");

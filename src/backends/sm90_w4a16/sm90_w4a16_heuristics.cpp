@@ -258,8 +258,8 @@ int l2_k_splits(const MoeProblem& problem, int64_t tokens) {
 // - Long K (H >= 4096, I >= 2048): where it saves 15% of the tiles, or from the row's
 //   absorbing_from tokens per expert, where most items are whole tiles and its
 //   mbarrier-passed K loop reaches a higher share of the tensor rate than the 128-token tiles (H100:
-//   from 256; H200: from 96, 2-3% faster than both 128-token tiles at 96 per expert and 5% slower
-//   at 64, v36).
+//   from 256; H200: from 96, 2-3% faster than both 128-token tiles at 96 per expert and 3-5%
+//   slower at 64, v36).
 // - Short K (Qwen3's L2): its one CTA per SM has no other CTA to cover an item's fill and
 //   epilogue, which short items make frequent: only where it saves a quarter of the tiles, or from
 //   the row's 256 tokens per expert (docs/perf/2026-11-22-h100-w4a16-v21.md, -v22.md; on the H200 too: the
@@ -278,7 +278,7 @@ bool absorbing_pays(const MoeProblem& problem, int64_t tokens, const MoeConfig& 
 // runs. Its two token widths (64, 128) waste more of an expert's last tile than the plain tile's
 // four (32 .. 128), which costs most where an expert has one or two tiles: on the H100 it pays
 // from 256 tokens per expert; on the H200 at short K from 96 (Qwen3-30B-A3B: 2.6% faster at 96
-// and 2.8% at 192 per expert, 6% slower at 48 and 64, v36).
+// and 2.8% at 192 per expert, 5-6% slower at 48 and 64, v36).
 void overlap_prefill(const MoeProblem& problem, int64_t tokens, MoeConfig& cfg, const DeviceFigures& device) {
   if (cfg.l1.block_n == kPrefillTile.block_n && cfg.l1.last_tile_extra == 0 &&
       cfg.l2.block_n == kPrefillTile.block_n &&
