@@ -184,6 +184,8 @@ int run_bench(const BenchOptions& opt) {
   tuning.fused = opt.fused;
   tuning.early_start = opt.early_start;
   tuning.absorbing_tile = opt.absorbing_tile;
+  tuning.l1_tile = opt.l1_tile;
+  tuning.l2_tile = opt.l2_tile;
   const MoePlan plan = MoePlan::create(problem, tuning);
   // An override that cannot run at some T (MoeTuning: MoePlan::describe(T) throws) skips that timed
   // point with its reason instead of ending the run; the untimed checks (accuracy line, cosine) run

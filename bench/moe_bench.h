@@ -34,6 +34,8 @@ struct BenchOptions {
   std::optional<bool> fused;  // MoeTuning override (unset: the heuristic's choice)
   std::optional<bool> early_start;  // MoeTuning override (unset: the heuristic's choice)
   std::optional<bool> absorbing_tile;  // MoeTuning override (unset: the heuristic's choice)
+  std::optional<std::string> l1_tile;  // MoeTuning override: a tile table row's name (unset: the heuristic's)
+  std::optional<std::string> l2_tile;  // MoeTuning override: a tile table row's name (unset: the heuristic's)
   uint64_t seed = 0x5eed;
   std::string json;         // write the results here when set
   // Write here, per point, the kernels' timeline of one more run (after the timed ones, the L2

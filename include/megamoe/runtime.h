@@ -60,6 +60,14 @@ struct MoeTuning {
   // partition (EpLoopback gives each virtual rank one). Sizes every grid and the heuristic's
   // choices; 1..the device's SM count.
   std::optional<int> num_sms;
+  // One GEMM's tile, named as in the backend's tile table (sm_90 w4a16: decode16, decode32,
+  // decode48, middle64, prefill128, overlapped128, absorbing160), in place of the heuristic's: for
+  // measuring the heuristic's choices. With either set the layer runs two launches (fused only
+  // where `fused` is true and both GEMMs take one fusable tile) without early start; neither may be
+  // set with absorbing_tile. run() and MoePlan::describe reject an unknown name (listing the
+  // table) and a tile whose row blocks do not divide the GEMM's rows (2I for L1, H for L2).
+  std::optional<std::string> l1_tile;
+  std::optional<std::string> l2_tile;
 };
 
 // The stacked NVFP4 expert layout inference engines keep on the GPU (docs/design.md §2): DEVICE

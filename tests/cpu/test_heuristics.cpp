@@ -1,8 +1,10 @@
 // The configuration heuristic (src/backends/sm90_w4a16/sm90_w4a16_heuristics.cpp) is a pure function of the
-// problem and the token count: these pin the measured tile choices, so a change to them is
-// deliberate (and re-measured, docs/perf).
+// problem, the token count, the SMs and the device's figures: these pin the measured tile choices,
+// so a change to them is deliberate (and re-measured, docs/perf).
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <iterator>
 #include <optional>
 #include <string>
 
@@ -17,6 +19,18 @@
 
 namespace megamoe {
 namespace {
+
+// The figures cudaDeviceGetAttribute gives (DeviceFigures): an H100 SXM (HBM3 at 2619 MHz on
+// 5120 bits: 3.35 TB/s; 1980 MHz; 50 MiB L2), where the heuristic was first tuned, and an H200
+// (HBM3e at 3201 MHz on 6144 bits: 4.92 TB/s; 1980 MHz; 60 MiB L2). The H200's quoted 4.8 TB/s
+// and its measured copy rate (4.2 TB/s) must give the same choices.
+constexpr DeviceFigures kH100{132, 2 * 2619e6 * 640, 1980e6, 50ll << 20};
+constexpr DeviceFigures kH200{132, 2 * 3201e6 * 768, 1980e6, 60ll << 20};
+constexpr DeviceFigures kH200Quoted{132, 4.8e12, 1980e6, 60ll << 20};
+constexpr DeviceFigures kH200Copy{132, 4.2e12, 1980e6, 60ll << 20};
+
+MoeConfig h100_config(const MoeProblem& p, int64_t T, int sms = 132) { return choose_moe_config(p, T, sms, kH100); }
+MoeConfig h200_config(const MoeProblem& p, int64_t T, int sms = 132) { return choose_moe_config(p, T, sms, kH200); }
 
 MoeTuning fused(bool on) { return MoeTuning{on, std::nullopt, std::nullopt}; }
 MoeTuning absorbing(bool on) { return MoeTuning{std::nullopt, std::nullopt, on}; }
@@ -38,38 +52,126 @@ MoeProblem qwen3_30b() { return preset_problem("qwen3-30b-a3b"); }
 
 TEST(Heuristics, TokenTileFollowsTokensPerExpert) {
   const MoeProblem p = deepseek_v3();  // 32 tokens of T per expert
-  EXPECT_EQ(choose_moe_config(p, 1).l1.block_n, 16);
-  EXPECT_EQ(choose_moe_config(p, 64).l1.block_n, 16);   // 32-token tiles: 0.9% fewer tiles
-  EXPECT_EQ(choose_moe_config(p, 256).l1.block_n, 32);  // the shared slice: 8 tiles, not 16
-  EXPECT_EQ(choose_moe_config(p, 256).l2.block_n, 32);
-  EXPECT_EQ(choose_moe_config(p, 384).l1.block_n, 32);  // 12 per expert: 10% need a second tile
-  EXPECT_EQ(choose_moe_config(p, 512).l1.block_n, 32);
-  EXPECT_EQ(choose_moe_config(p, 512).l2.block_n, 32);
-  EXPECT_EQ(choose_moe_config(p, 768).l1.block_n, 32);
-  EXPECT_EQ(choose_moe_config(p, 1024).l1.block_n, 48);
-  EXPECT_EQ(choose_moe_config(p, 1536).l1.block_n, 64);
-  const GemmConfig prefill = choose_moe_config(p, 3072).l1;  // 96 per expert: nothing to absorb
+  EXPECT_EQ(h100_config(p, 1).l1.block_n, 16);
+  EXPECT_EQ(h100_config(p, 64).l1.block_n, 16);   // 32-token tiles: 0.9% fewer tiles
+  EXPECT_EQ(h100_config(p, 256).l1.block_n, 32);  // the shared slice: 8 tiles, not 16
+  EXPECT_EQ(h100_config(p, 256).l2.block_n, 32);
+  EXPECT_EQ(h100_config(p, 384).l1.block_n, 32);  // 12 per expert: 10% need a second tile
+  EXPECT_EQ(h100_config(p, 512).l1.block_n, 32);
+  EXPECT_EQ(h100_config(p, 512).l2.block_n, 32);
+  EXPECT_EQ(h100_config(p, 768).l1.block_n, 32);
+  EXPECT_EQ(h100_config(p, 1024).l1.block_n, 48);
+  EXPECT_EQ(h100_config(p, 1536).l1.block_n, 64);
+  const GemmConfig prefill = h100_config(p, 3072).l1;  // 96 per expert: nothing to absorb
   EXPECT_EQ(prefill.block_n, 128);
   EXPECT_EQ(prefill.warpgroups, 2);
   EXPECT_EQ(prefill.last_tile_extra, 0);
+}
+
+// A configuration as the tile table's names: "L1/L2", "+fused" where fused.
+std::string tile_names(const MoeConfig& c) {
+  auto name = [](const GemmConfig& g) {
+    const int i = find_w4a16_tile(g);
+    return i >= 0 ? std::string(kW4a16Tiles[i].name) : "?";
+  };
+  return name(c.l1) + "/" + name(c.l2) + (c.fused ? "+fused" : "");
+}
+
+MoeProblem routed_only(MoeProblem p) {
+  p.shared_intermediate_size = 0;
+  return p;
+}
+
+// The H100's figures keep every choice main made before the heuristic read device figures
+// (0ff51e1): the FNV-1a hash of MoeConfig::to_string over every preset, with and without its
+// shared expert, 34 token counts and 78 / 114 / 132 SMs, as that commit computed it. A change
+// here is a change of the H100's tuning: measure it there first.
+TEST(Heuristics, H100FiguresKeepTheirChoices) {
+  uint64_t hash = 1469598103934665603ull;
+  auto mix = [&](const std::string& s) {
+    for (const unsigned char c : s + "\n") {
+      hash ^= c;
+      hash *= 1099511628211ull;
+    }
+  };
+  for (const ModelPreset& m : model_presets()) {
+    for (const bool shared : {false, true}) {
+      MoeProblem p = preset_problem(m.name);
+      if (!shared) p = routed_only(p);
+      for (int64_t T : {1, 2, 3, 4, 5, 8, 16, 17, 32, 64, 100, 128, 192, 256, 320, 384, 448, 512, 640, 768, 896, 1024,
+                        1280, 1536, 1792, 2048, 2560, 3072, 3584, 4096, 6144, 8192, 12288, 16384}) {
+        for (int sms : {78, 114, 132}) mix(h100_config(p, T, sms).to_string());
+      }
+    }
+  }
+  EXPECT_EQ(hash, 0x3dae099a19eca20eull);
+  // The same choices by name where issue 48 measured the H200 (DeepSeek-V3 routed, Qwen3-30B-A3B).
+  const int64_t Ts[] = {256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096};
+  const char* dsv3[] = {"decode16/decode16", "decode32/decode32", "decode32/decode32",
+                        "decode32/decode32", "decode48/decode48", "middle64/middle64",
+                        "prefill128/prefill128", "prefill128/prefill128", "absorbing160/absorbing160"};
+  const char* qwen3[] = {"decode32/decode32+fused", "decode32/decode32", "decode48/decode48",
+                         "middle64/middle64", "prefill128/prefill128", "prefill128/prefill128",
+                         "absorbing160/absorbing160", "prefill128/prefill128", "absorbing160/absorbing160"};
+  for (size_t i = 0; i < std::size(Ts); ++i) {
+    EXPECT_EQ(tile_names(h100_config(routed_only(deepseek_v3()), Ts[i])), dsv3[i]) << "T=" << Ts[i];
+    EXPECT_EQ(tile_names(h100_config(qwen3_30b(), Ts[i])), qwen3[i]) << "T=" << Ts[i];
+  }
+}
+
+// The H200's figures take the tiles measured fastest there at T = 256 ... 4096
+// (docs/perf/2026-11-29-h200-w4a16-v36.md): the 128-token tile from 40 tokens per expert, the
+// absorbing tile from 96 at long K, the overlapped 128-token tile from 96 at short K. Decided by
+// the DRAM rate per SM clock alone: the same at the H200's quoted and measured rates, the H100's
+// choices at the H100's.
+TEST(Heuristics, H200FiguresTakeTheTilesMeasuredThere) {
+  EXPECT_NEAR(kH100.dram_bytes_per_sm_clock(), 12.8, 0.1);
+  EXPECT_NEAR(kH200.dram_bytes_per_sm_clock(), 18.8, 0.1);
+  EXPECT_NEAR(kH200Copy.dram_bytes_per_sm_clock(), 16.1, 0.1);
+  const int64_t Ts[] = {256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096};
+  const char* dsv3[] = {"decode16/decode16", "decode32/decode32", "decode32/decode32",
+                        "decode32/decode32", "decode48/decode48", "prefill128/prefill128",
+                        "prefill128/prefill128", "absorbing160/absorbing160", "absorbing160/absorbing160"};
+  const char* qwen3[] = {"decode32/decode32+fused", "decode32/decode32", "decode48/decode48",
+                         "prefill128/prefill128", "prefill128/prefill128", "overlapped128/overlapped128",
+                         "absorbing160/absorbing160", "overlapped128/overlapped128", "absorbing160/absorbing160"};
+  for (const DeviceFigures& device : {kH200, kH200Quoted, kH200Copy}) {
+    for (size_t i = 0; i < std::size(Ts); ++i) {
+      EXPECT_EQ(tile_names(choose_moe_config(routed_only(deepseek_v3()), Ts[i], 132, device)), dsv3[i])
+          << "T=" << Ts[i] << " " << device.dram_bytes_per_s;
+      EXPECT_EQ(tile_names(choose_moe_config(qwen3_30b(), Ts[i], 132, device)), qwen3[i])
+          << "T=" << Ts[i] << " " << device.dram_bytes_per_s;
+    }
+  }
+  // Decode (T <= 64 here) is the H100's at every T: only the prefill thresholds moved.
+  for (const MoeProblem& p : {deepseek_v3(), routed_only(deepseek_v3()), qwen3_30b()}) {
+    for (int64_t T : {1, 2, 4, 8, 16, 32, 64, 128}) {
+      for (int sms : {78, 132}) {
+        EXPECT_EQ(h200_config(p, T, sms).to_string(), h100_config(p, T, sms).to_string()) << "T=" << T;
+      }
+    }
+  }
+  // The same layer on a device between the two (an H100 with 14 B per SM clock) keeps the H100's.
+  const DeviceFigures between{132, 14.0 * 132 * 1980e6, 1980e6, 50ll << 20};
+  EXPECT_EQ(tile_names(choose_moe_config(qwen3_30b(), 768, 132, between)), "middle64/middle64");
 }
 
 // The 128-token tile's overlapped K loop from 256 tokens per expert, in both GEMMs.
 TEST(Heuristics, OverlappedPrefillTileForManyTokensPerExpert) {
   const MoeProblem dsv3 = deepseek_v3(), qwen3 = qwen3_30b();
   // (From 256 per expert the absorbing tile runs where the shape allows it: without it.)
-  for (const MoeConfig& c : {tuned_moe_config(qwen3, 4096, 132, absorbing(false)),
-                             tuned_moe_config(qwen3, 16384, 132, absorbing(false))}) {
+  for (const MoeConfig& c : {tuned_moe_config(qwen3, 4096, 132, kH100, absorbing(false)),
+                             tuned_moe_config(qwen3, 16384, 132, kH100, absorbing(false))}) {
     EXPECT_TRUE(c.l1.overlapped) << c.to_string();
     EXPECT_TRUE(c.l2.overlapped) << c.to_string();
     EXPECT_EQ(c.l1.warpgroups, 2) << c.to_string();
     EXPECT_NE(c.to_string().find("overlapped"), std::string::npos) << c.to_string();
   }
-  EXPECT_FALSE(choose_moe_config(dsv3, 6144).l1.overlapped);   // 192 per expert
-  EXPECT_FALSE(choose_moe_config(qwen3, 1024).l1.overlapped);  // 64 per expert: widths 64 / 128 waste
-  EXPECT_FALSE(choose_moe_config(qwen3, 1536).l1.overlapped);  // 96 per expert
-  EXPECT_TRUE(choose_moe_config(dsv3, 4096).l1.overlapped);    // the absorbing tile, always overlapped
-  EXPECT_FALSE(choose_moe_config(dsv3, 1024).l1.overlapped);
+  EXPECT_FALSE(h100_config(dsv3, 6144).l1.overlapped);   // 192 per expert
+  EXPECT_FALSE(h100_config(qwen3, 1024).l1.overlapped);  // 64 per expert: widths 64 / 128 waste
+  EXPECT_FALSE(h100_config(qwen3, 1536).l1.overlapped);  // 96 per expert
+  EXPECT_TRUE(h100_config(dsv3, 4096).l1.overlapped);    // the absorbing tile, always overlapped
+  EXPECT_FALSE(h100_config(dsv3, 1024).l1.overlapped);
 }
 
 // The absorbing tile where an expert's remainder of up to 32 tokens is common or (long K) most
@@ -79,7 +181,7 @@ TEST(Heuristics, AbsorbingTileWhereRemaindersAreShort) {
   // 128 +- 11, 256 +- 16 and 512 +- 23 tokens per expert (the last: 9% fewer tiles, absorbed
   // from 256 per expert), 1024 +- 32.
   for (int64_t T : {4096, 8192, 16384, 32768}) {
-    const MoeConfig c = choose_moe_config(p, T);
+    const MoeConfig c = h100_config(p, T);
     EXPECT_EQ(c.l1.block_n, kAbsorbingTile.block_n) << "T=" << T;
     EXPECT_EQ(c.l1.warpgroups, 4) << "T=" << T;
     EXPECT_EQ(c.l1.tile_step(), 128) << "T=" << T;
@@ -87,23 +189,23 @@ TEST(Heuristics, AbsorbingTileWhereRemaindersAreShort) {
     EXPECT_FALSE(c.fused);
     EXPECT_NE(c.to_string().find("step=128"), std::string::npos) << c.to_string();
   }
-  EXPECT_EQ(choose_moe_config(p, 3072).l1.block_n, 128);  // 96 per expert: nothing to absorb
-  EXPECT_EQ(choose_moe_config(p, 6144).l1.block_n, 128);  // 192 per expert: remainders of 64
+  EXPECT_EQ(h100_config(p, 3072).l1.block_n, 128);  // 96 per expert: nothing to absorb
+  EXPECT_EQ(h100_config(p, 6144).l1.block_n, 128);  // 192 per expert: remainders of 64
   // Short K (Qwen3-30B: H = 2048, I = 768): where it saves a quarter of the tiles (128, 144, 160
   // per expert: 0.68, 0.57, 0.74 of them), and from 256 per expert.
   const MoeProblem qwen3 = qwen3_30b();
   for (int64_t T : {2048, 2304, 2560, 4096, 8192, 16384}) {
-    EXPECT_EQ(choose_moe_config(qwen3, T).l1.block_n, kAbsorbingTile.block_n) << "T=" << T;
-    EXPECT_EQ(choose_moe_config(qwen3, T).l2.block_n, kAbsorbingTile.block_n) << "T=" << T;
+    EXPECT_EQ(h100_config(qwen3, T).l1.block_n, kAbsorbingTile.block_n) << "T=" << T;
+    EXPECT_EQ(h100_config(qwen3, T).l2.block_n, kAbsorbingTile.block_n) << "T=" << T;
   }
   for (int64_t T : {1024, 1536, 3072}) {  // 64, 96, 192 per expert: 1.0 of the tiles
-    EXPECT_EQ(choose_moe_config(qwen3, T).l1.block_n, 128) << "T=" << T;
+    EXPECT_EQ(h100_config(qwen3, T).l1.block_n, 128) << "T=" << T;
   }
   EXPECT_TRUE(can_absorb(p));
   MoeProblem odd = p;
   odd.hidden_size = 7168 + 64;  // 113 row tiles of W2: not whole 256-row blocks
   EXPECT_FALSE(can_absorb(odd));
-  EXPECT_EQ(choose_moe_config(odd, 4096).l2.block_n, 64);
+  EXPECT_EQ(h100_config(odd, 4096).l2.block_n, 64);
 }
 
 // MoeTuning::absorbing_tile: false gives the tile the heuristic picks without it (the plain
@@ -111,84 +213,84 @@ TEST(Heuristics, AbsorbingTileWhereRemaindersAreShort) {
 // two launches, no early start and the heuristic's L2 K slices.
 TEST(Heuristics, AbsorbingTileOverride) {
   const MoeProblem p = deepseek_v3();
-  const MoeConfig off4096 = tuned_moe_config(p, 4096, 132, absorbing(false));
+  const MoeConfig off4096 = tuned_moe_config(p, 4096, 132, kH100, absorbing(false));
   EXPECT_EQ(off4096.l1.block_n, 128);
   EXPECT_FALSE(off4096.l1.overlapped);
-  const MoeConfig off16384 = tuned_moe_config(p, 16384, 132, absorbing(false));
+  const MoeConfig off16384 = tuned_moe_config(p, 16384, 132, kH100, absorbing(false));
   EXPECT_EQ(off16384.l1.block_n, 128);
   EXPECT_TRUE(off16384.l1.overlapped);
   EXPECT_TRUE(off16384.l2.overlapped);
-  const MoeConfig on1 = tuned_moe_config(p, 1, 132, absorbing(true));
+  const MoeConfig on1 = tuned_moe_config(p, 1, 132, kH100, absorbing(true));
   EXPECT_EQ(on1.l1.block_n, kAbsorbingTile.block_n);
   EXPECT_EQ(on1.l2.block_n, kAbsorbingTile.block_n);
-  EXPECT_EQ(on1.l2.k_splits, choose_moe_config(p, 1).l2.k_splits);
+  EXPECT_EQ(on1.l2.k_splits, h100_config(p, 1).l2.k_splits);
   EXPECT_FALSE(on1.fused);
   EXPECT_FALSE(on1.early_start);
   MoeProblem odd = p;
   odd.hidden_size = 7168 + 64;
-  EXPECT_EQ(tuned_moe_config(odd, 1, 132, absorbing(true)).l1.block_n,
-            choose_moe_config(odd, 1).l1.block_n);  // cannot absorb: moe_config rejects it
+  EXPECT_EQ(tuned_moe_config(odd, 1, 132, kH100, absorbing(true)).l1.block_n,
+            h100_config(odd, 1).l1.block_n);  // cannot absorb: moe_config rejects it
 }
 
 TEST(Heuristics, L2SplitsKForTinyBatches) {
   const MoeProblem dsv3 = deepseek_v3();
-  EXPECT_EQ(choose_moe_config(dsv3, 1).l2.k_splits, 2);
-  EXPECT_EQ(choose_moe_config(qwen3_30b(), 1).l2.k_splits, 2);
+  EXPECT_EQ(h100_config(dsv3, 1).l2.k_splits, 2);
+  EXPECT_EQ(h100_config(qwen3_30b(), 1).l2.k_splits, 2);
   // Long L2 items (I = 2048: 16 chunks per slice) up to early start's 32 selections.
-  EXPECT_EQ(choose_moe_config(dsv3, 2).l2.k_splits, 2);
-  EXPECT_EQ(choose_moe_config(dsv3, 4).l2.k_splits, 2);
-  EXPECT_EQ(choose_moe_config(dsv3, 5).l2.k_splits, 1);
-  EXPECT_EQ(choose_moe_config(qwen3_30b(), 2).l2.k_splits, 1);  // I = 768: 6-chunk slices
-  EXPECT_EQ(choose_moe_config(qwen3_30b(), 4).l2.k_splits, 1);
-  EXPECT_EQ(choose_moe_config(dsv3, 64).l2.k_splits, 1);
-  EXPECT_EQ(choose_moe_config(dsv3, 768).l2.k_splits, 1);
+  EXPECT_EQ(h100_config(dsv3, 2).l2.k_splits, 2);
+  EXPECT_EQ(h100_config(dsv3, 4).l2.k_splits, 2);
+  EXPECT_EQ(h100_config(dsv3, 5).l2.k_splits, 1);
+  EXPECT_EQ(h100_config(qwen3_30b(), 2).l2.k_splits, 1);  // I = 768: 6-chunk slices
+  EXPECT_EQ(h100_config(qwen3_30b(), 4).l2.k_splits, 1);
+  EXPECT_EQ(h100_config(dsv3, 64).l2.k_splits, 1);
+  EXPECT_EQ(h100_config(dsv3, 768).l2.k_splits, 1);
   MoeProblem deterministic = dsv3;
   deterministic.deterministic = true;  // the fixed-order combine keeps whole tiles
-  EXPECT_EQ(choose_moe_config(deterministic, 1).l2.k_splits, 1);
-  EXPECT_EQ(choose_moe_config(deterministic, 4).l2.k_splits, 1);
+  EXPECT_EQ(h100_config(deterministic, 1).l2.k_splits, 1);
+  EXPECT_EQ(h100_config(deterministic, 4).l2.k_splits, 1);
   MoeProblem odd_slices = dsv3;
   odd_slices.intermediate_size = 2048 + 64;  // I/64 odd: no even split
-  EXPECT_EQ(choose_moe_config(odd_slices, 1).l2.k_splits, 1);
+  EXPECT_EQ(h100_config(odd_slices, 1).l2.k_splits, 1);
 }
 
 TEST(Heuristics, DecodeFusesTheGemmsWhenL1EndsInAPartialWave) {
   const MoeProblem dsv3 = deepseek_v3(), qwen3 = qwen3_30b();
   const int sms = 132;  // H100 / H200 SXM
   // L1 items in waves of the 16-token tile's 792 CTA slots: fused from 0.6 to 4.5 waves.
-  EXPECT_TRUE(choose_moe_config(dsv3, 1, sms).fused);    // 576 items, 0.7 waves
-  EXPECT_TRUE(choose_moe_config(dsv3, 4, sms).fused);    // 2.6 waves
-  EXPECT_FALSE(choose_moe_config(dsv3, 16, sms).fused);  // 8 waves
-  EXPECT_FALSE(choose_moe_config(qwen3, 2, sms).fused);  // 0.5 waves: no tail to fill
-  EXPECT_TRUE(choose_moe_config(qwen3, 16, sms).fused);
-  EXPECT_TRUE(choose_moe_config(qwen3, 192, sms).fused);   // 4.2 waves of expected tiles
-  EXPECT_EQ(choose_moe_config(qwen3, 192, sms).l1.block_n, 16);  // fused: keeps the 16-token tile
+  EXPECT_TRUE(h100_config(dsv3, 1, sms).fused);    // 576 items, 0.7 waves
+  EXPECT_TRUE(h100_config(dsv3, 4, sms).fused);    // 2.6 waves
+  EXPECT_FALSE(h100_config(dsv3, 16, sms).fused);  // 8 waves
+  EXPECT_FALSE(h100_config(qwen3, 2, sms).fused);  // 0.5 waves: no tail to fill
+  EXPECT_TRUE(h100_config(qwen3, 16, sms).fused);
+  EXPECT_TRUE(h100_config(qwen3, 192, sms).fused);   // 4.2 waves of expected tiles
+  EXPECT_EQ(h100_config(qwen3, 192, sms).l1.block_n, 16);  // fused: keeps the 16-token tile
   // 5.6 waves of the 16-token tile: many experts need two tiles, so the 32-token tile, whose
   // items make 4.7 waves of its 660 slots: fused up to 4.8.
   for (int T : {224, 256, 320, 352}) {
-    const MoeConfig c = choose_moe_config(qwen3, T, sms);
+    const MoeConfig c = h100_config(qwen3, T, sms);
     EXPECT_TRUE(c.fused) << T;
     EXPECT_EQ(c.l1.block_n, 32) << T;
     EXPECT_EQ(c.l2.block_n, 32) << T;
   }
-  EXPECT_FALSE(choose_moe_config(qwen3, 384, sms).fused);  // 4.85 waves
-  EXPECT_EQ(choose_moe_config(qwen3, 384, sms).l1.block_n, 32);
-  EXPECT_FALSE(choose_moe_config(dsv3, 256, sms).fused);  // 32-token tile, 26 waves
-  EXPECT_EQ(choose_moe_config(dsv3, 256, sms).l1.block_n, 32);
-  const MoeConfig forced = tuned_moe_config(qwen3, 256, sms, fused(true));  // MoeTuning::fused
+  EXPECT_FALSE(h100_config(qwen3, 384, sms).fused);  // 4.85 waves
+  EXPECT_EQ(h100_config(qwen3, 384, sms).l1.block_n, 32);
+  EXPECT_FALSE(h100_config(dsv3, 256, sms).fused);  // 32-token tile, 26 waves
+  EXPECT_EQ(h100_config(dsv3, 256, sms).l1.block_n, 32);
+  const MoeConfig forced = tuned_moe_config(qwen3, 256, sms, kH100, fused(true));  // MoeTuning::fused
   EXPECT_TRUE(forced.fused);
   EXPECT_EQ(forced.l1.block_n, 16);  // a forced fused launch keeps the 16-token tile up to 16 per expert
-  const MoeConfig forced32 = tuned_moe_config(qwen3, 384, sms, fused(true));  // 24 per expert
+  const MoeConfig forced32 = tuned_moe_config(qwen3, 384, sms, kH100, fused(true));  // 24 per expert
   EXPECT_TRUE(forced32.fused);
   EXPECT_EQ(forced32.l1.block_n, 32);
-  EXPECT_FALSE(tuned_moe_config(qwen3, 256, sms, fused(false)).fused);
-  EXPECT_EQ(tuned_moe_config(qwen3, 256, sms, fused(false)).l1.block_n, 32);
-  EXPECT_EQ(tuned_moe_config(qwen3, 192, sms, fused(false)).l1.block_n, 32);
-  EXPECT_FALSE(tuned_moe_config(qwen3, 1024, sms, fused(true)).fused);  // no fused 128-token kernel
-  EXPECT_FALSE(tuned_moe_config(qwen3, 448, sms, fused(true)).fused);   // nor a fused 48-token one
-  EXPECT_FALSE(choose_moe_config(qwen3, 1024, sms).fused);  // 48-token tile: no fused kernel
-  EXPECT_FALSE(choose_moe_config(dsv3, 4096, sms).fused);
+  EXPECT_FALSE(tuned_moe_config(qwen3, 256, sms, kH100, fused(false)).fused);
+  EXPECT_EQ(tuned_moe_config(qwen3, 256, sms, kH100, fused(false)).l1.block_n, 32);
+  EXPECT_EQ(tuned_moe_config(qwen3, 192, sms, kH100, fused(false)).l1.block_n, 32);
+  EXPECT_FALSE(tuned_moe_config(qwen3, 1024, sms, kH100, fused(true)).fused);  // no fused 128-token kernel
+  EXPECT_FALSE(tuned_moe_config(qwen3, 448, sms, kH100, fused(true)).fused);   // nor a fused 48-token one
+  EXPECT_FALSE(h100_config(qwen3, 1024, sms).fused);  // 48-token tile: no fused kernel
+  EXPECT_FALSE(h100_config(dsv3, 4096, sms).fused);
   // Fewer SMs: the same items make more waves.
-  EXPECT_FALSE(choose_moe_config(dsv3, 4, 60).fused);
+  EXPECT_FALSE(h100_config(dsv3, 4, 60).fused);
 }
 
 TEST(Heuristics, OnlyTheDecodeTilesFuse) {
@@ -208,11 +310,11 @@ TEST(Heuristics, OnlyTheDecodeTilesFuse) {
 TEST(Heuristics, TinyBatchesStartEarly) {
   const MoeProblem dsv3 = deepseek_v3(), qwen3 = qwen3_30b();
   // Up to 32 routed selections and 64 slots (DeepSeek-V3: k = 8 and one shared slice).
-  EXPECT_TRUE(choose_moe_config(dsv3, 1).early_start);
-  EXPECT_TRUE(choose_moe_config(dsv3, 4).early_start);  // 32 selections, 36 slots
-  EXPECT_FALSE(choose_moe_config(dsv3, 5).early_start);
-  EXPECT_TRUE(choose_moe_config(qwen3, 4).early_start);
-  EXPECT_FALSE(choose_moe_config(qwen3, 16).early_start);
+  EXPECT_TRUE(h100_config(dsv3, 1).early_start);
+  EXPECT_TRUE(h100_config(dsv3, 4).early_start);  // 32 selections, 36 slots
+  EXPECT_FALSE(h100_config(dsv3, 5).early_start);
+  EXPECT_TRUE(h100_config(qwen3, 4).early_start);
+  EXPECT_FALSE(h100_config(qwen3, 16).early_start);
   MoeProblem many_slices = qwen3;
   many_slices.shared_intermediate_size = 8 * qwen3.intermediate_size;  // 16 slots per token
   EXPECT_TRUE(can_start_early(many_slices, 4));
@@ -220,13 +322,13 @@ TEST(Heuristics, TinyBatchesStartEarly) {
   many_slices.top_k = 4;                           // 12 slots per token
   EXPECT_TRUE(can_start_early(many_slices, 5));   // 20 selections, 60 slots
   EXPECT_FALSE(can_start_early(many_slices, 6));  // 72 slots
-  EXPECT_NE(choose_moe_config(dsv3, 1).to_string().find("early-start"), std::string::npos);
+  EXPECT_NE(h100_config(dsv3, 1).to_string().find("early-start"), std::string::npos);
 }
 
 TEST(Heuristics, OddTileCountsAvoidTheTwoWarpgroupTile) {
   MoeProblem p = deepseek_v3();
   p.hidden_size = 192;  // L2 has 3 row tiles of 64
-  const MoeConfig c = choose_moe_config(p, 16384);
+  const MoeConfig c = h100_config(p, 16384);
   EXPECT_EQ(c.l2.warpgroups, 1);
   EXPECT_EQ(c.l1.warpgroups, 2);
 }
@@ -237,27 +339,86 @@ TEST(Heuristics, OddTileCountsAvoidTheTwoWarpgroupTile) {
 TEST(TileTable, EveryHeuristicChoiceIsAnEntry) {
   const std::optional<bool> options[] = {std::nullopt, true, false};
   int checked = 0;
+  auto check = [&](const MoeConfig& c, const std::string& name, int64_t T) {
+    for (const GemmConfig& g : {c.l1, c.l2}) {
+      EXPECT_GE(find_w4a16_tile(g), 0) << name << " T=" << T << ": " << c.to_string();
+      EXPECT_GE(g.k_splits, 1) << c.to_string();
+    }
+    if (c.fused) {
+      EXPECT_TRUE(c.can_fuse()) << c.to_string();
+      EXPECT_TRUE(kW4a16Tiles[find_w4a16_tile(c.l1)].fusable) << c.to_string();
+    }
+    ++checked;
+  };
   for (const ModelPreset& m : model_presets()) {
     const MoeProblem p = preset_problem(m.name);
     for (int64_t T : {1, 2, 3, 4, 8, 16, 17, 32, 64, 100, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144,
                       8192, 16384}) {
       for (const std::optional<bool> fused : options) {
         for (const std::optional<bool> absorbing : options) {
-          const MoeConfig c = tuned_moe_config(p, T, 132, MoeTuning{fused, std::nullopt, absorbing});
-          for (const GemmConfig& g : {c.l1, c.l2}) {
-            EXPECT_GE(find_w4a16_tile(g), 0) << m.name << " T=" << T << ": " << c.to_string();
-            EXPECT_GE(g.k_splits, 1) << c.to_string();
+          for (const DeviceFigures& device : {kH100, kH200}) {
+            const MoeConfig c = tuned_moe_config(p, T, 132, device, MoeTuning{fused, std::nullopt, absorbing});
+            check(c, m.name, T);
           }
-          if (c.fused) {
-            EXPECT_TRUE(c.can_fuse()) << c.to_string();
-            EXPECT_TRUE(kW4a16Tiles[find_w4a16_tile(c.l1)].fusable) << c.to_string();
-          }
-          ++checked;
+        }
+      }
+      for (const W4a16TileEntry& l1 : kW4a16Tiles) {
+        for (const W4a16TileEntry& l2 : kW4a16Tiles) {
+          MoeTuning named;
+          named.l1_tile = l1.name;
+          named.l2_tile = l2.name;
+          check(tuned_moe_config(p, T, 132, kH200, named), m.name, T);
         }
       }
     }
   }
   EXPECT_GT(checked, 0);
+}
+
+// MoeTuning::l1_tile / l2_tile: a row of the table by name in place of the heuristic's tile, in
+// two launches without early start (fused only when asked and both take one fusable tile); L2
+// keeps the heuristic's K slices; a name that is unknown or does not fit the GEMM's rows leaves the
+// heuristic's tile (moe_config rejects it).
+TEST(Heuristics, NamedTileOverrides) {
+  const MoeProblem p = deepseek_v3(), qwen3 = qwen3_30b();
+  auto named = [](std::optional<std::string> l1, std::optional<std::string> l2, std::optional<bool> fused = {}) {
+    MoeTuning t;
+    t.fused = fused;
+    t.l1_tile = std::move(l1);
+    t.l2_tile = std::move(l2);
+    return t;
+  };
+  const MoeConfig mixed = tuned_moe_config(p, 1024, 132, kH100, named("prefill128", "middle64"));
+  EXPECT_TRUE(mixed.l1.same_tile(kPrefillTile)) << mixed.to_string();
+  EXPECT_TRUE(mixed.l2.same_tile(kMiddleTile)) << mixed.to_string();
+  EXPECT_FALSE(mixed.fused);
+  EXPECT_FALSE(mixed.early_start);
+  // One GEMM named: the other keeps the heuristic's tile (48 tokens at 32 per expert).
+  const MoeConfig l2_only = tuned_moe_config(p, 1024, 132, kH100, named(std::nullopt, "absorbing160"));
+  EXPECT_TRUE(l2_only.l1.same_tile(kDecode48Tile)) << l2_only.to_string();
+  EXPECT_TRUE(l2_only.l2.same_tile(kAbsorbingTile)) << l2_only.to_string();
+  // Named decode tiles: two launches and no early start, unless fused is asked for.
+  const MoeConfig tiny = tuned_moe_config(p, 1, 132, kH100, named("decode32", "decode32"));
+  EXPECT_TRUE(tiny.l1.same_tile(kFusedTile32));
+  EXPECT_FALSE(tiny.fused);
+  EXPECT_FALSE(tiny.early_start);
+  EXPECT_EQ(tiny.l2.k_splits, h100_config(p, 1).l2.k_splits);
+  EXPECT_TRUE(tuned_moe_config(qwen3, 64, 132, kH100, named("decode16", "decode16", true)).fused);
+  EXPECT_FALSE(tuned_moe_config(qwen3, 64, 132, kH100, named("decode16", "decode32", true)).fused);
+  // Unknown, or not fitting the rows (H = 7232: 113 row tiles): the heuristic's tile.
+  const MoeConfig unknown = tuned_moe_config(p, 1024, 132, kH100, named("prefill96", std::nullopt));
+  EXPECT_TRUE(unknown.l1.same_tile(kDecode48Tile)) << unknown.to_string();
+  MoeProblem odd = p;
+  odd.hidden_size = 7168 + 64;
+  const MoeConfig misfit = tuned_moe_config(odd, 4096, 132, kH100, named("absorbing160", "prefill128"));
+  EXPECT_TRUE(misfit.l1.same_tile(kAbsorbingTile)) << misfit.to_string();
+  EXPECT_TRUE(misfit.l2.same_tile(h100_config(odd, 4096).l2)) << misfit.to_string();
+}
+
+TEST(TileTable, NamesFindTheirEntries) {
+  for (int i = 0; i < kW4a16TileCount; ++i) EXPECT_EQ(find_tile_by_name(kW4a16Tiles[i].name), i);
+  EXPECT_EQ(find_tile_by_name("prefill96"), -1);
+  EXPECT_EQ(find_tile_by_name(""), -1);
 }
 
 // The precision is resolved once, at plan time, into backend rows (runtime::resolve_backends).
@@ -347,8 +508,11 @@ TEST(Heuristics, NoOverrideIsTheHeuristic) {
     const MoeProblem p = preset_problem(m.name);
     for (int64_t T : {1, 2, 4, 8, 16, 17, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 4096, 16384}) {
       for (int sms : {78, 132}) {
-        EXPECT_EQ(tuned_moe_config(p, T, sms, MoeTuning{}).to_string(), choose_moe_config(p, T, sms).to_string())
-            << m.name << " T=" << T << " sms=" << sms;
+        for (const DeviceFigures& device : {kH100, kH200}) {
+          EXPECT_EQ(tuned_moe_config(p, T, sms, device, MoeTuning{}).to_string(),
+                    choose_moe_config(p, T, sms, device).to_string())
+              << m.name << " T=" << T << " sms=" << sms << " " << device.dram_bytes_per_s;
+        }
       }
     }
   }

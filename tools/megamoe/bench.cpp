@@ -10,6 +10,8 @@
 #include <fstream>
 #include <memory>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -17,6 +19,7 @@
 #include "bench/ep_bench_model.h"
 #include "bench/ep_loopback_bench.h"
 #include "bench/moe_bench.h"
+#include "backends/sm90_w4a16/sm90_w4a16_tiles.h"
 #include "commands.h"
 #include "megamoe/gpu.h"
 #include "megamoe/presets.h"
@@ -29,6 +32,13 @@
 namespace megamoe::tool {
 
 namespace {
+
+// The rows of the W4A16 tile table, which --l1-tile and --l2-tile name.
+std::vector<std::string> w4a16_tile_names() {
+  std::vector<std::string> names;
+  for (const W4a16TileEntry& e : kW4a16Tiles) names.emplace_back(e.name);
+  return names;
+}
 
 // What only the EP launcher and its ranks take from the command line.
 struct EpCli {
@@ -48,7 +58,7 @@ bench::EpBenchOptions ep_options(const bench::BenchOptions& b, const EpCli& e, c
   auto given = [&](const char* name) { return app.count(name) > 0; };
   MEGAMOE_CHECK(!given("--tokens"), kInvalidArgument,
                 "bench --ep: --tokens is the single-GPU token list; with --ep give --tokens-per-rank");
-  for (const char* name : {"--fused", "--absorbing-tile"}) {
+  for (const char* name : {"--fused", "--absorbing-tile", "--l1-tile", "--l2-tile"}) {
     MEGAMOE_CHECK(!given(name), kInvalidArgument, "bench --ep: ", name,
                   " overrides the single-GPU heuristic; the expert-parallel layer takes no tuning overrides but "
                   "--early-start off");
@@ -216,6 +226,15 @@ Command add_bench_command(CLI::App& parent) {
                   "override the heuristic: both GEMMs on the absorbing tile (four warpgroups, 128-token items, an "
                   "expert's last up to 160; needs H and 2I multiples of 256)")
       ->check(CLI::IsMember({"on", "off"}));
+  for (auto [flag, field, gemm] : {std::tuple{"--l1-tile", &opt->l1_tile, "L1 (x W13, SwiGLU)"},
+                                   std::tuple{"--l2-tile", &opt->l2_tile, "L2 (act W2, combine)"}}) {
+    app->add_option_function<std::string>(
+           flag, [field](const std::string& name) { *field = name; },
+           std::string("override the heuristic: ") + gemm +
+               "'s tile, by its name in the W4A16 tile table; the layer then runs two launches without early "
+               "start (with --fused on: one, where both GEMMs take decode16 or decode32)")
+        ->check(CLI::IsMember(w4a16_tile_names()));
+  }
   app->add_option("--seed", opt->seed, "seed of the synthesized weights and inputs");
   app->add_option("--json", opt->json, "write the results as JSON (plot with bench/plot_bench.py)");
   app->add_option("--timeline", opt->timeline,

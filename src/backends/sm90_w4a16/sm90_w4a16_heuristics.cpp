@@ -1,13 +1,16 @@
-// The configuration heuristic (sm90_w4a16_heuristics.h): a pure function of the problem and the
-// token count. The tile's N side is tokens.
+// The configuration heuristic (sm90_w4a16_heuristics.h): a pure function of the problem, the
+// token count, the plan's SMs and the device's figures. The tile's N side is tokens.
 // - Few tokens per expert (decode): the layer streams weights and the mainloop is bound by the
 //   decode's instructions, so the tile is the narrowest that holds an average expert's tokens in
 //   one piece (each weight is then decoded once): small accumulators and B stages leave room for
 //   deep pipelines and 4-6 CTAs per SM.
 // - Many tokens per expert (prefill): two or four warpgroups share one B tile (less B traffic per
-//   decoded weight, long wgmma runs); from 256 tokens per expert the K loop overlaps each k16
+//   decoded weight, long wgmma runs); from many tokens per expert the K loop overlaps each k16
 //   step's decode with the previous step's wgmma, and where an expert's remainder past its
 //   128-token tiles is short the absorbing tile folds it into the last tile.
+// - Where these prefill tiles start depends on the device's DRAM bytes per SM clock (one row of
+//   kBalanceRows per measured balance): the more bytes the SMs must decode per clock, the fewer
+//   tokens per expert the tiles that spend fewer SM instructions per weight need to pay.
 // - On the 16- and 32-token tiles both GEMMs run as one persistent launch where L1's items end in
 //   a partial wave that L2 items can fill.
 // Within a tile, each work item runs at the narrowest token width that holds its slots (the
@@ -49,6 +52,17 @@ bool can_start_early(const MoeProblem& problem, int64_t tokens) {
 bool can_absorb(const MoeProblem& problem) {
   const int64_t rows_per_block = 64 * kAbsorbingTile.warpgroups;
   return (2 * problem.intermediate_size) % rows_per_block == 0 && problem.hidden_size % rows_per_block == 0;
+}
+
+double DeviceFigures::dram_bytes_per_sm_clock() const {
+  return sms > 0 && sm_clock_hz > 0 ? dram_bytes_per_s / (sms * sm_clock_hz) : 0.0;
+}
+
+int find_tile_by_name(const std::string& name) {
+  for (int i = 0; i < kW4a16TileCount; ++i) {
+    if (name == kW4a16Tiles[i].name) return i;
+  }
+  return -1;
 }
 
 bool MoeConfig::can_fuse() const {
@@ -118,26 +132,80 @@ double DecodeTileCounts::tiles32() {
   return *tiles32_;
 }
 
+namespace {
+
+// Tokens per expert up to which a GEMM takes each tile; past the last, the two-warpgroup
+// 128-token tile.
+struct WidthCutoffs {
+  double decode16, decode32, decode48, middle64;
+};
+
+// A threshold for long-K layers (H >= 4096, I >= 2048: DeepSeek-V3's, Kimi-K2's) and for the others
+// (Qwen3's).
+struct PerK {
+  double long_k, short_k;
+};
+
+// The prefill choices measured on one balance of DRAM rate to SM issue (nominal DRAM bytes per SM
+// clock): the steps width_tiles, absorbing_pays and overlap_prefill read their thresholds here.
+struct BalanceRow {
+  double min_bytes_per_sm_clock;  // the row applies from this balance up
+  WidthCutoffs l1, l2;
+  PerK absorbing_from;  // tokens per expert from which the absorbing tile runs (absorbing_pays)
+  PerK overlap_from;    // tokens per expert from which the 128-token tile overlaps its K loop
+};
+
+// One row per measured balance, ascending; a device takes the last row at or below its balance.
+// - H100 SXM (3.35 TB/s over 132 SMs at 1980 MHz: 12.8 B per SM clock), where every choice
+//   through docs/perf v29 was measured.
+// - H200 (4.9 TB/s nominal, 132 SMs, 1980 MHz: 18.8; its measured 4.2 TB/s copy gives 16.1), from
+//   docs/perf/2026-11-29-h200-w4a16-v36.md: there the SMs, not DRAM, bound the middle batches, and
+//   the tiles that spend fewer SM instructions per weight pay from fewer tokens per expert: the
+//   two-warpgroup 128-token tile from 40 (not 48), the absorbing tile from 96 at long K (not
+//   256), the overlapped K loop from 96 at short K (not 256).
+// The boundary, 15, lies between the two devices' balances.
+inline constexpr BalanceRow kBalanceRows[] = {
+    {0.0, {16, 24, 40, 48}, {16, 24, 40, 48}, {256, 256}, {256, 256}},
+    {15.0, {16, 24, 40, 40}, {16, 24, 40, 40}, {96, 256}, {256, 96}},
+};
+
+const BalanceRow& balance_row(const DeviceFigures& device) {
+  const double balance = device.dram_bytes_per_sm_clock();
+  const BalanceRow* row = &kBalanceRows[0];
+  for (const BalanceRow& r : kBalanceRows) {
+    if (balance >= r.min_bytes_per_sm_clock) row = &r;
+  }
+  return *row;
+}
+
+bool long_k(const MoeProblem& problem) { return problem.hidden_size >= 4096 && problem.intermediate_size >= 2048; }
+
+double per_k(const PerK& t, const MoeProblem& problem) { return long_k(problem) ? t.long_k : t.short_k; }
+
+}  // namespace
+
 namespace heuristic {
 
 // Each token tile holds an average expert's tokens in one piece (the weights are then decoded
 // once) and is as narrow as that allows: the decode regime is instruction-bound, and a wider tile
 // than needed pays wgmma columns and registers (fewer CTAs) for nothing. The 64-token tile (two
 // chunks per wgmma round trip) beats the 128-token tile up to 48 tokens per expert, not at 64
-// (H200 records v2-v7).
-MoeConfig width_tiles(const MoeProblem& problem, int64_t tokens) {
+// (H200 records v2-v7) on the H100; on the H200 only up to 40 (v36). The cut-offs are the
+// device's row of kBalanceRows.
+MoeConfig width_tiles(const MoeProblem& problem, int64_t tokens, const DeviceFigures& device) {
   const double per_expert = tokens_per_expert(problem, tokens);
-  auto pick = [&](int64_t m_tiles) {
-    if (per_expert <= 16) return kFusedTile;  // two launches often take the 32-token tile: below
-    if (per_expert <= 24) return kFusedTile32;
-    if (per_expert <= 40) return kDecode48Tile;
+  const BalanceRow& row = balance_row(device);
+  auto pick = [&](const WidthCutoffs& c, int64_t m_tiles) {
+    if (per_expert <= c.decode16) return kFusedTile;  // two launches often take the 32-token tile: below
+    if (per_expert <= c.decode32) return kFusedTile32;
+    if (per_expert <= c.decode48) return kDecode48Tile;
     // The two-warpgroup 128-token tile needs an even number of 64-row tiles.
-    if (per_expert <= 48 || m_tiles % 2 != 0) return kMiddleTile;
+    if (per_expert <= c.middle64 || m_tiles % 2 != 0) return kMiddleTile;
     return kPrefillTile;
   };
   MoeConfig cfg;
-  cfg.l1 = pick(2 * problem.intermediate_size / 64);
-  cfg.l2 = pick(problem.hidden_size / 64);
+  cfg.l1 = pick(row.l1, 2 * problem.intermediate_size / 64);
+  cfg.l2 = pick(row.l2, problem.hidden_size / 64);
   return cfg;
 }
 
@@ -187,28 +255,34 @@ int l2_k_splits(const MoeProblem& problem, int64_t tokens) {
 // The absorbing tile in both GEMMs where a remainder of up to 32 tokens per expert is common: the
 // 128-token tile would run it as an item of its own, decoding every weight again; in both GEMMs,
 // since each gains (docs/perf/2026-11-21-h100-w4a16-v18.md).
-// - Long K (H >= 4096, I >= 2048): where it saves 15% of the tiles, or from 256 tokens per expert,
-//   where most items are whole tiles and its mbarrier-passed K loop reaches a higher share of the
-//   tensor rate than the overlapped 128-token tile.
+// - Long K (H >= 4096, I >= 2048): where it saves 15% of the tiles, or from the row's
+//   absorbing_from tokens per expert, where most items are whole tiles and its
+//   mbarrier-passed K loop reaches a higher share of the tensor rate than the 128-token tiles (H100:
+//   from 256; H200: from 96, 2-3% faster than both 128-token tiles at 96 per expert and 3-5%
+//   slower at 64, v36).
 // - Short K (Qwen3's L2): its one CTA per SM has no other CTA to cover an item's fill and
 //   epilogue, which short items make frequent: only where it saves a quarter of the tiles, or from
-//   256 tokens per expert (docs/perf/2026-11-22-h100-w4a16-v21.md, -v22.md).
-bool absorbing_pays(const MoeProblem& problem, int64_t tokens, const MoeConfig& cfg) {
+//   the row's 256 tokens per expert (docs/perf/2026-11-22-h100-w4a16-v21.md, -v22.md; on the H200 too: the
+//   overlapped 128-token tile beats it by 2% at 96 and 7% at 192 per expert, v36).
+bool absorbing_pays(const MoeProblem& problem, int64_t tokens, const MoeConfig& cfg, const DeviceFigures& device) {
   if (cfg.l1.block_n != kPrefillTile.block_n || cfg.l2.block_n != kPrefillTile.block_n || !can_absorb(problem)) {
     return false;
   }
   const double tiles = expected_tile_count(problem, tokens, kPrefillTile.block_n, kPrefillTile.block_n);
   const double absorbed = expected_tile_count(problem, tokens, kAbsorbingTile.block_n, kAbsorbingTile.tile_step());
-  const bool long_k = problem.hidden_size >= 4096 && problem.intermediate_size >= 2048;
-  return absorbed <= (long_k ? 0.85 : 0.75) * tiles || tokens_per_expert(problem, tokens) >= 256;
+  return absorbed <= (long_k(problem) ? 0.85 : 0.75) * tiles ||
+         tokens_per_expert(problem, tokens) >= per_k(balance_row(device).absorbing_from, problem);
 }
 
-// From 256 tokens per expert each warpgroup decodes a k16 step while its previous step's wgmma
+// From the row's overlap cut-off each warpgroup decodes a k16 step while its previous step's wgmma
 // runs. Its two token widths (64, 128) waste more of an expert's last tile than the plain tile's
-// four (32 .. 128), which costs most where an expert has one or two tiles.
-void overlap_prefill(const MoeProblem& problem, int64_t tokens, MoeConfig& cfg) {
+// four (32 .. 128), which costs most where an expert has one or two tiles: on the H100 it pays
+// from 256 tokens per expert; on the H200 at short K from 96 (Qwen3-30B-A3B: 2.6% faster at 96
+// and 2.8% at 192 per expert, 5-6% slower at 48 and 64, v36).
+void overlap_prefill(const MoeProblem& problem, int64_t tokens, MoeConfig& cfg, const DeviceFigures& device) {
   if (cfg.l1.block_n == kPrefillTile.block_n && cfg.l1.last_tile_extra == 0 &&
-      cfg.l2.block_n == kPrefillTile.block_n && tokens_per_expert(problem, tokens) >= 256) {
+      cfg.l2.block_n == kPrefillTile.block_n &&
+      tokens_per_expert(problem, tokens) >= per_k(balance_row(device).overlap_from, problem)) {
     cfg.l1 = kOverlappedPrefillTile;
     cfg.l2 = kOverlappedPrefillTile;
   }
@@ -216,8 +290,8 @@ void overlap_prefill(const MoeProblem& problem, int64_t tokens, MoeConfig& cfg) 
 
 }  // namespace heuristic
 
-MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms) {
-  MoeConfig cfg = heuristic::width_tiles(problem, tokens);
+MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms, const DeviceFigures& device) {
+  MoeConfig cfg = heuristic::width_tiles(problem, tokens, device);
   DecodeTileCounts tiles(problem, tokens);
   cfg.fused = heuristic::fuse_decode16(problem, num_sms, cfg, tiles);
   heuristic::widen_unfused_decode(cfg, tiles);
@@ -226,11 +300,11 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   // A tiny batch's L1 CTAs start their first items while the dispatch kernel runs: the dispatch
   // (one CTA) and the hand-off leave the critical path (sm90_w4a16_scheduler.cuh, early start).
   cfg.early_start = can_start_early(problem, tokens);
-  if (heuristic::absorbing_pays(problem, tokens, cfg)) {
+  if (heuristic::absorbing_pays(problem, tokens, cfg, device)) {
     cfg.l1 = kAbsorbingTile;
     cfg.l2 = kAbsorbingTile;
   }
-  heuristic::overlap_prefill(problem, tokens, cfg);
+  heuristic::overlap_prefill(problem, tokens, cfg, device);
   return cfg;
 }
 

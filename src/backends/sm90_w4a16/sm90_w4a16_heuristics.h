@@ -1,6 +1,6 @@
 // The configuration heuristic of the (sm_90, w4a16) row: a pure function of the problem, the
-// token count and the device's SM count, built from named steps (printable with
-// MoeConfig::to_string). MoeTuning overrides are applied outside it (tuned_moe_config).
+// token count, the SMs the plan gets and the device's figures, built from named steps (printable
+// with MoeConfig::to_string). MoeTuning overrides are applied outside it (tuned_moe_config).
 #pragma once
 
 #include <cstdint>
@@ -36,6 +36,22 @@ bool can_start_early(const MoeProblem& problem, int64_t tokens);
 // 256-row blocks.
 bool can_absorb(const MoeProblem& problem);
 
+// What the heuristic knows of the device: figures the runtime queries (never the product name).
+// Where the token tiles change depends on the balance of DRAM rate to SM issue: a device that
+// streams more bytes per SM clock runs out of SM issue at fewer tokens per expert.
+struct DeviceFigures {
+  int sms = 0;                  // the device's SMs
+  double dram_bytes_per_s = 0;  // nominal: 2 x memory clock x bus width
+  double sm_clock_hz = 0;       // the SMs' peak clock
+  int64_t l2_bytes = 0;
+  // The nominal DRAM rate over all SMs at their peak clock, bytes per SM per clock.
+  double dram_bytes_per_sm_clock() const;
+};
+
+// The figures of the device the current device's kernels run on (cudaDeviceGetAttribute, once per
+// device). Throws megamoe::Error(kCuda).
+DeviceFigures current_device_figures();
+
 // The expected token tiles of the two decode tiles at T under uniform routing, each summed at
 // most once (run() evaluates the heuristic at every call).
 class DecodeTileCounts {
@@ -52,8 +68,9 @@ class DecodeTileCounts {
 
 // The heuristic's steps, in the order choose_moe_config takes them.
 namespace heuristic {
-// Both GEMMs' tiles by tokens per expert: the narrowest that holds an average expert in one piece.
-MoeConfig width_tiles(const MoeProblem& problem, int64_t tokens);
+// Both GEMMs' tiles by tokens per expert, from the cut-offs measured on the device's balance of
+// DRAM rate to SM issue.
+MoeConfig width_tiles(const MoeProblem& problem, int64_t tokens, const DeviceFigures& device);
 // Whether the 16-token tile's GEMMs run as one launch (a partial last wave L2 items can fill).
 bool fuse_decode16(const MoeProblem& problem, int num_sms, const MoeConfig& cfg, DecodeTileCounts& tiles);
 // Two launches take the 32-token tile where it has fewer tiles than the 16-token one.
@@ -63,19 +80,24 @@ bool fuse_decode32(const MoeProblem& problem, int num_sms, const MoeConfig& cfg,
 // L2's K slices (1 or 2).
 int l2_k_splits(const MoeProblem& problem, int64_t tokens);
 // Whether the absorbing tile pays in both GEMMs (prefill tiles, a common short remainder).
-bool absorbing_pays(const MoeProblem& problem, int64_t tokens, const MoeConfig& cfg);
+bool absorbing_pays(const MoeProblem& problem, int64_t tokens, const MoeConfig& cfg, const DeviceFigures& device);
 // The overlapped 128-token tile from 256 tokens per expert.
-void overlap_prefill(const MoeProblem& problem, int64_t tokens, MoeConfig& cfg);
+void overlap_prefill(const MoeProblem& problem, int64_t tokens, MoeConfig& cfg, const DeviceFigures& device);
 }  // namespace heuristic
 
-// The heuristic: no overrides.
-MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms = 132);
+// The heuristic: no overrides. num_sms: the SMs the plan's kernels get (up to device.sms).
+MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms, const DeviceFigures& device);
 
 // The heuristic's steps with MoeTuning's overrides in place of the choices they fix: `fused`
 // replaces the launch decision (before the decode tile that depends on it), `absorbing_tile` true
-// runs both GEMMs on the absorbing tile where can_absorb, false leaves it out. Never throws: an
-// override that cannot run is reported by moe_config.
-MoeConfig tuned_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms, const MoeTuning& tuning);
+// runs both GEMMs on the absorbing tile where can_absorb, false leaves it out; `l1_tile` and
+// `l2_tile` replace the tiles last (find_tile_by_name). Never throws: an override that cannot run
+// is reported by moe_config.
+MoeConfig tuned_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms, const DeviceFigures& device,
+                           const MoeTuning& tuning);
+
+// The tile table's entry named `name` (W4a16TileEntry::name), or -1.
+int find_tile_by_name(const std::string& name);
 
 // The configuration run() uses for T tokens under `plan`: tuned_moe_config with the plan's tuning.
 // Throws megamoe::Error(kInvalidArgument) when an override cannot run at this T.

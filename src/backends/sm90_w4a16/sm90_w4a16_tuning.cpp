@@ -1,12 +1,63 @@
 // MoeTuning's overrides of the (sm_90, w4a16) heuristic: tuned_moe_config runs the heuristic's
-// steps with the overridden choices fixed, moe_config rejects an override that cannot run.
+// steps with the overridden choices fixed, moe_config rejects an override that cannot run. Also
+// the device figures the heuristic reads (current_device_figures).
+#include <cuda_runtime.h>
+
+#include <mutex>
+#include <string>
+
 #include "backends/sm90_w4a16/sm90_w4a16_heuristics.h"
+#include "megamoe/gpu.h"
 #include "megamoe/status.h"
 
 namespace megamoe {
 
-MoeConfig tuned_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms, const MoeTuning& tuning) {
-  MoeConfig cfg = heuristic::width_tiles(problem, tokens);
+namespace {
+
+DeviceFigures query_device_figures(int device) {
+  auto attribute = [device](cudaDeviceAttr attr, const char* what) {
+    int value = 0;
+    gpu::check_cuda(cudaDeviceGetAttribute(&value, attr, device), what);
+    return value;
+  };
+  DeviceFigures f;
+  f.sms = attribute(cudaDevAttrMultiProcessorCount, "cudaDeviceGetAttribute(multiProcessorCount)");
+  // kHz; DDR: two transfers per clock over a bus of that many bits.
+  const double memory_clock_hz = 1e3 * attribute(cudaDevAttrMemoryClockRate, "cudaDeviceGetAttribute(memoryClockRate)");
+  const double bus_bytes = attribute(cudaDevAttrGlobalMemoryBusWidth, "cudaDeviceGetAttribute(globalMemoryBusWidth)") / 8.0;
+  f.dram_bytes_per_s = 2.0 * memory_clock_hz * bus_bytes;
+  f.sm_clock_hz = 1e3 * attribute(cudaDevAttrClockRate, "cudaDeviceGetAttribute(clockRate)");
+  f.l2_bytes = attribute(cudaDevAttrL2CacheSize, "cudaDeviceGetAttribute(l2CacheSize)");
+  return f;
+}
+
+// The table's tile names, for the error messages.
+std::string tile_names() {
+  std::string names;
+  for (const W4a16TileEntry& e : kW4a16Tiles) names += (names.empty() ? "" : ", ") + std::string(e.name);
+  return names;
+}
+
+// Whether a named tile's row blocks divide a GEMM's rows.
+bool tile_fits(int tile, int64_t rows) { return tile >= 0 && rows % (64 * kW4a16Tiles[tile].config.warpgroups) == 0; }
+
+}  // namespace
+
+DeviceFigures current_device_figures() {
+  int device = 0;
+  gpu::check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  // run() asks at every call: each device is queried once.
+  constexpr int kCachedDevices = 64;
+  static std::once_flag once[kCachedDevices];
+  static DeviceFigures cached[kCachedDevices];
+  if (device < 0 || device >= kCachedDevices) return query_device_figures(device);
+  std::call_once(once[device], [device] { cached[device] = query_device_figures(device); });
+  return cached[device];
+}
+
+MoeConfig tuned_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms, const DeviceFigures& device,
+                           const MoeTuning& tuning) {
+  MoeConfig cfg = heuristic::width_tiles(problem, tokens, device);
   DecodeTileCounts tiles(problem, tokens);
   if (tuning.fused) {
     // On the tile width_tiles chose; a fused launch keeps the 16-token tile.
@@ -19,11 +70,11 @@ MoeConfig tuned_moe_config(const MoeProblem& problem, int64_t tokens, int num_sm
   }
   cfg.l2.k_splits = heuristic::l2_k_splits(problem, tokens);
   cfg.early_start = can_start_early(problem, tokens);
-  if (!tuning.absorbing_tile && heuristic::absorbing_pays(problem, tokens, cfg)) {
+  if (!tuning.absorbing_tile && heuristic::absorbing_pays(problem, tokens, cfg, device)) {
     cfg.l1 = kAbsorbingTile;
     cfg.l2 = kAbsorbingTile;
   }
-  heuristic::overlap_prefill(problem, tokens, cfg);
+  heuristic::overlap_prefill(problem, tokens, cfg, device);
   // The absorbing tile at any T: two launches, no early start; L2 keeps its K slices.
   if (tuning.absorbing_tile && *tuning.absorbing_tile && can_absorb(problem)) {
     const int l2_k_splits = cfg.l2.k_splits;
@@ -31,6 +82,20 @@ MoeConfig tuned_moe_config(const MoeProblem& problem, int64_t tokens, int num_sm
     cfg.l2 = kAbsorbingTile;
     cfg.l2.k_splits = l2_k_splits;
     cfg.fused = false;
+    cfg.early_start = false;
+  }
+  // Named tiles, where they fit the GEMM's rows: two launches unless `fused` asks for one and both
+  // GEMMs took one fusable tile; no early start; L2 keeps its K slices.
+  if (tuning.l1_tile || tuning.l2_tile) {
+    auto named = [](const std::optional<std::string>& name, const GemmConfig& chosen, int64_t rows) {
+      const int tile = name ? find_tile_by_name(*name) : -1;
+      return tile_fits(tile, rows) ? kW4a16Tiles[tile].config : chosen;
+    };
+    const int l2_k_splits = cfg.l2.k_splits;
+    cfg.l1 = named(tuning.l1_tile, cfg.l1, 2 * problem.intermediate_size);
+    cfg.l2 = named(tuning.l2_tile, cfg.l2, problem.hidden_size);
+    cfg.l2.k_splits = l2_k_splits;
+    cfg.fused = tuning.fused.value_or(false) && cfg.can_fuse();
     cfg.early_start = false;
   }
   if (tuning.early_start) cfg.early_start = *tuning.early_start;
@@ -48,7 +113,32 @@ MoeConfig moe_config(const MoePlan& plan, int64_t tokens) {
     MEGAMOE_CHECK(!tuning.early_start || !*tuning.early_start, kInvalidArgument,
                   "MoeTuning.absorbing_tile has no early start: it cannot be set with MoeTuning.early_start = true");
   }
-  const MoeConfig cfg = tuned_moe_config(p, tokens, plan.num_sms(), tuning);
+  const bool named_tiles = tuning.l1_tile || tuning.l2_tile;
+  if (named_tiles) {
+    MEGAMOE_CHECK(!tuning.absorbing_tile, kInvalidArgument,
+                  "MoeTuning.l1_tile / l2_tile name the tiles themselves: they cannot be set with MoeTuning.absorbing_tile");
+    MEGAMOE_CHECK(!tuning.early_start || !*tuning.early_start, kInvalidArgument,
+                  "MoeTuning.l1_tile / l2_tile run without early start: they cannot be set with MoeTuning.early_start = true");
+    const struct {
+      const char* field;
+      const std::optional<std::string>& name;
+      const char* rows_name;
+      int64_t rows;
+    } gemms[] = {{"l1_tile", tuning.l1_tile, "2I", 2 * p.intermediate_size}, {"l2_tile", tuning.l2_tile, "H", p.hidden_size}};
+    for (const auto& g : gemms) {
+      if (!g.name) continue;
+      const int tile = find_tile_by_name(*g.name);
+      MEGAMOE_CHECK(tile >= 0, kInvalidArgument, "MoeTuning.", g.field, " = '", *g.name, "' names no tile; the tiles are ",
+                    tile_names());
+      MEGAMOE_CHECK(tile_fits(tile, g.rows), kInvalidArgument, "MoeTuning.", g.field, " = '", *g.name, "': its ",
+                    64 * kW4a16Tiles[tile].config.warpgroups, "-row blocks do not divide the GEMM's ", g.rows_name, " = ",
+                    g.rows, " rows");
+    }
+  }
+  const MoeConfig cfg = tuned_moe_config(p, tokens, plan.num_sms(), current_device_figures(), tuning);
+  MEGAMOE_CHECK(!named_tiles || !tuning.fused || !*tuning.fused || cfg.fused, kInvalidArgument,
+                "MoeTuning.fused = true with named tiles needs both GEMMs on one fusable tile (",
+                kW4a16Tiles[kTileDecode16].name, " or ", kW4a16Tiles[kTileDecode32].name, "); they are ", cfg.to_string());
   MEGAMOE_CHECK(!tuning.fused || !*tuning.fused || cfg.fused, kInvalidArgument,
                 "MoeTuning.fused: the fused launch is built for the 16- and 32-token decode tiles (",
                 kFusedTile.to_string(), ", ", kFusedTile32.to_string(), ") in both GEMMs, up to 24 tokens per expert; at T=",
