@@ -16,7 +16,7 @@ namespace {
 class Sm90W4a8Backend final : public Sm90PrepackedBackend {
  public:
   Precision precision() const override { return Precision::kW4a8; }
-  // Not measured against W4A16 yet (issue 44): auto stays exact.
+  // auto stays exact: this kernel is slower than W4A16 at every T (docs/perf/2026-11-29-h200-w4a8-v37.md).
   bool auto_accepts(const MoeProblem&, int64_t) const override { return false; }
   void validate(const MoeProblem& problem) const override {
     validate_sm90_w4a8_problem(problem);
