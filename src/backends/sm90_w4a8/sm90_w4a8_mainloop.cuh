@@ -1,10 +1,9 @@
 // The K loop of one W4A8 work item (one warpgroup, 64 weight rows x kBlockN tokens): per 128 of
-// K (one activation block), the tokens' codes stream through two cp.async stages (gathered by
-// slot, 128-byte swizzle, zero past the item's slots) with their block scales 2^e, the weights'
-// prepacked words are loaded straight into registers one block ahead and decoded to e4m3
-// (decode_k32), four k32 fp8 wgmmas accumulate into a zeroed partial P, and acc += P * 2^e per
-// token (docs/w4a8.md §4: the promotion that keeps the tensor core's limited internal
-// accumulation to 128 products).
+// K (one activation block), the tokens' codes (gathered by slot, 128-byte swizzle, zero past the
+// item's slots), their block exponents and the weights' prepacked words stream through kStages
+// cp.async stages; the words are decoded to e4m3 (decode_k32), four k32 fp8 wgmmas accumulate
+// into a zeroed partial P, and acc += P * 2^e per token (docs/w4a8.md §4: the promotion that
+// keeps the tensor core's limited internal accumulation to 128 products).
 #pragma once
 
 #include <cstdint>
@@ -22,64 +21,72 @@
 
 namespace megamoe::kernels::sm90 {
 
-// Shared memory of the W4A8 tile: two stages of (kBlockN tokens, 128 codes) and their tokens'
-// block scales.
+// Shared memory of the W4A8 tile: kStages stages, each one 128-K block of the item's operands:
+//   B codes    (kBlockN tokens, 128) e4m3, one 128-byte swizzled row per token   [1024-aligned]
+//   W codes    (64 rows, 128) e2m1 in the prepacked order: two 64-K chunks of 2048 bytes
+//   W scales   the two chunks' 256-byte scale tiles
+//   exponents  (kBlockN) int32: each token's block exponent e (0 past the item's slots)
+// All four arrive by cp.async, kStages - 1 blocks ahead of the MMA: with the weights loaded into
+// registers and the exponents by plain loads one block ahead, every block waited a memory latency
+// (docs/perf/2026-11-29-h200-w4a8-v37.md).
 template <int kBlockN>
 struct W4a8SmemLayout {
-  static constexpr int kStages = 2;
-  static constexpr int kBStageBytes = kBlockN * w4a8::kActBlock;  // one 128-byte swizzled row per token
-  static constexpr int kScaleOffset = kStages * kBStageBytes;
-  static constexpr int kBytes = kScaleOffset + kStages * kBlockN * 4;
+  static constexpr int kStages = kBlockN >= 128 ? 4 : 8;
+  static constexpr int kBBytes = kBlockN * w4a8::kActBlock;
+  static constexpr int kWCodeOffset = kBBytes;
+  static constexpr int kWCodeBytes = 2 * w4a16::kCodeBytesPerTile;
+  static constexpr int kWScaleOffset = kWCodeOffset + kWCodeBytes;
+  static constexpr int kWScaleBytes = 2 * w4a16::kScaleBytesPerTile;
+  static constexpr int kExpOffset = kWScaleOffset + kWScaleBytes;
+  static constexpr int kStageBytes = (kExpOffset + kBlockN * 4 + 1023) / 1024 * 1024;
+  static constexpr int kBytes = kStages * kStageBytes;
   static constexpr int kAllocBytes = kBytes + 1024;  // room to align the base to 1024 B
-  static_assert(kBStageBytes % 1024 == 0, "each B stage must be whole 1024-byte swizzle atoms");
+  static_assert(kBBytes % 1024 == 0, "each B stage must be whole 1024-byte swizzle atoms");
+  static_assert(kWScaleBytes <= 32 * 16, "the weight scales are copied by the first 32 threads, 16 bytes each");
 };
 
 namespace detail {
 
 inline constexpr int kW4a8Threads = w4a16::kThreadsPerWarpgroup;
 
-// A thread's weight words of one 128-K block: two 64-K chunks of the prepacked layout, per chunk
-// its 16 code bytes (four k16 step words) and 8 scale bytes (two scale words).
-struct W4a8BlockWords {
-  uint4 codes[2];
-  uint2 scales[2];
-};
-__device__ __forceinline__ W4a8BlockWords load_block_words(const uint8_t* codes, const uint8_t* scales, int kb) {
-  W4a8BlockWords w;
-  #pragma unroll
-  for (int c = 0; c < 2; ++c) {
-    w.codes[c] = __ldg(reinterpret_cast<const uint4*>(codes + (2 * kb + c) * w4a16::kCodeBytesPerTile));
-    w.scales[c] = __ldg(reinterpret_cast<const uint2*>(scales + (2 * kb + c) * w4a16::kScaleBytesPerTile));
-  }
-  return w;
-}
-
 // The item's B rows (token rows in L1, slot rows in L2) this thread copies, piece j of row
 // (tid + 128 j) / 8; -1 past the item's slots (zero-filled).
 template <bool kIsL1, int kBlockN>
 struct W4a8BRows {
   static constexpr int kPieces = kBlockN * 8 / kW4a8Threads;
-  int64_t row[kPieces];
+  int32_t row[kPieces];
 };
 
-// Issues the copies of block kb into `stage`: the codes (16-byte pieces, 128-byte swizzle: piece
-// c of row r lands at c ^ (r % 8)) and, for the first kBlockN threads, their token's 2^e (0 past
-// the item's slots: the column is never stored).
+// This thread's share of the copies of block kb into `stage`: B codes (16-byte pieces, 128-byte
+// swizzle: piece c of row r lands at c ^ (r % 8)), its own 16 weight-code bytes of each chunk,
+// for the first 32 threads one 16-byte piece of the weight scales, for the first kBlockN threads
+// its token's exponent.
 template <bool kIsL1, int kBlockN>
-__device__ __forceinline__ void copy_b_block(const W4a8GemmParams& p, const W4a8BRows<kIsL1, kBlockN>& rows,
-                                             int64_t scale_row, int kb, int K, uint8_t* smem, int stage, int tid) {
+__device__ __forceinline__ void copy_block(const W4a8GemmParams& p, const W4a8BRows<kIsL1, kBlockN>& rows,
+                                           int32_t exp_row, const uint8_t* codes, const uint8_t* scales, int kb, int K,
+                                           uint32_t stage_base, int tid) {
   using Smem = W4a8SmemLayout<kBlockN>;
-  const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + stage * Smem::kBStageBytes;
   #pragma unroll
   for (int j = 0; j < W4a8BRows<kIsL1, kBlockN>::kPieces; ++j) {
     const int i = tid + j * kW4a8Threads, r = i / 8, c = i % 8;
     const bool valid = rows.row[j] >= 0;
-    const uint8_t* src = p.b_codes + (valid ? rows.row[j] : 0) * K + kb * w4a8::kActBlock + c * 16;
-    ptx::cp_async_16(base + r * 128 + ((c ^ (r & 7)) * 16), src, valid);
+    const uint8_t* src = p.b_codes + static_cast<int64_t>(valid ? rows.row[j] : 0) * K + kb * w4a8::kActBlock + c * 16;
+    ptx::cp_async_16(stage_base + r * 128 + ((c ^ (r & 7)) * 16), src, valid);
+  }
+  #pragma unroll
+  for (int c = 0; c < 2; ++c) {
+    ptx::cp_async_16(stage_base + Smem::kWCodeOffset + c * w4a16::kCodeBytesPerTile + tid * 16,
+                     codes + (2 * kb + c) * w4a16::kCodeBytesPerTile + tid * 16, true);
+  }
+  if (tid < Smem::kWScaleBytes / 16) {
+    const int c = tid / (w4a16::kScaleBytesPerTile / 16), piece = tid % (w4a16::kScaleBytesPerTile / 16);
+    ptx::cp_async_16(stage_base + Smem::kWScaleOffset + tid * 16,
+                     scales + (2 * kb + c) * w4a16::kScaleBytesPerTile + piece * 16, true);
   }
   if (tid < kBlockN) {
-    float* scale = reinterpret_cast<float*>(smem + Smem::kScaleOffset) + stage * kBlockN;
-    scale[tid] = scale_row >= 0 ? w4a8::exp2i(p.b_exponents[scale_row * (K / w4a8::kActBlock) + kb]) : 0.0f;
+    const bool valid = exp_row >= 0;
+    ptx::cp_async_4(stage_base + Smem::kExpOffset + tid * 4,
+                    p.b_exponents + static_cast<int64_t>(valid ? exp_row : 0) * (K / w4a8::kActBlock) + kb, valid);
   }
 }
 
@@ -91,20 +98,22 @@ __device__ __forceinline__ void wgmma_e4m3(const uint32_t (&a)[4], uint64_t desc
 
 // acc = x_item . W_tileᵀ of the item's 64-row tile (w.m_block), every K: acc[4i + 2h + c] is
 // (row r0 + 8h, token column 8i + 2t + c), r0 = 16 warp + g, in units of the weights' e4m3
-// values times the activations' (s2 * 2^k is the epilogue's).
+// values times the activations' (s2 * 2^k is the epilogue's). The caller's CTA barrier separates
+// items (no thread still reads a stage when the next item's first copies overwrite it).
 template <bool kIsL1, int kBlockN>
 __device__ __forceinline__ void w4a8_item_mainloop(const W4a8GemmParams& p, const WorkItem& w, uint8_t* smem,
                                                    float (&acc)[kBlockN / 2]) {
   using namespace w4a16;
   using Smem = W4a8SmemLayout<kBlockN>;
+  constexpr int kStages = Smem::kStages;
   const W4a16GemmParams& g = p.g;
-  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, quad = tid % 32 / 4;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, quad = tid % 32 / 4, t = tid % 4;
   const int K = g.k_chunks * kChunkK, blocks = K / w4a8::kActBlock;
   const int64_t tile0 = static_cast<int64_t>(w.m_block) * g.k_chunks;  // (64-row tile, chunk) index of chunk 0
-  const uint8_t* codes = g.codes + w.expert * g.code_expert_stride + tile0 * kCodeBytesPerTile + tid * 16;
-  const uint8_t* scales =
-      g.scales + w.expert * g.scale_expert_stride + tile0 * kScaleBytesPerTile + (warp * 8 + quad) * 8;
+  const uint8_t* codes = g.codes + w.expert * g.code_expert_stride + tile0 * kCodeBytesPerTile;
+  const uint8_t* scales = g.scales + w.expert * g.scale_expert_stride + tile0 * kScaleBytesPerTile;
   const uint32_t addend = p.exponent_addends[w.expert];
+  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 
   W4a8BRows<kIsL1, kBlockN> rows;
   #pragma unroll
@@ -112,36 +121,45 @@ __device__ __forceinline__ void w4a8_item_mainloop(const W4a8GemmParams& p, cons
     const int slot = w.slot_begin + (tid + j * kW4a8Threads) / 8;
     rows.row[j] = slot < w.slot_end ? (kIsL1 ? w.slot_token[slot] : slot) : -1;
   }
-  int64_t scale_row = -1;
+  int32_t exp_row = -1;
   if (tid < kBlockN && w.slot_begin + tid < w.slot_end) {
-    scale_row = kIsL1 ? w.slot_token[w.slot_begin + tid] : w.slot_begin + tid;
+    exp_row = kIsL1 ? w.slot_token[w.slot_begin + tid] : w.slot_begin + tid;
   }
 
   #pragma unroll
   for (int j = 0; j < kBlockN / 2; ++j) acc[j] = 0.0f;
-  copy_b_block<kIsL1, kBlockN>(p, rows, scale_row, 0, K, smem, 0, tid);
-  ptx::cp_async_commit();
-  W4a8BlockWords words = load_block_words(codes, scales, 0);
-  const int t = tid % 4;
+  #pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < blocks) copy_block<kIsL1, kBlockN>(p, rows, exp_row, codes, scales, s, K, smem_base + s * Smem::kStageBytes, tid);
+    ptx::cp_async_commit();  // one group per block, empty past K
+  }
   for (int kb = 0; kb < blocks; ++kb) {
-    const int stage = kb & 1;
-    if (kb + 1 < blocks) copy_b_block<kIsL1, kBlockN>(p, rows, scale_row, kb + 1, K, smem, stage ^ 1, tid);
-    ptx::cp_async_commit();  // possibly empty: the wait below always leaves the newest group
+    const int stage = kb % kStages;
+    ptx::cp_async_wait<kStages - 2>();  // this thread's copies of block kb have landed
+    ptx::fence_proxy_async_shared();
+    // Block kb is visible to every thread, and every thread has finished block kb - 1 (its
+    // wgmmas waited), whose stage the next copies refill.
+    __syncthreads();
+    const int next = kb + kStages - 1;
+    if (next < blocks) {
+      copy_block<kIsL1, kBlockN>(p, rows, exp_row, codes, scales, next, K,
+                                 smem_base + (next % kStages) * Smem::kStageBytes, tid);
+    }
+    ptx::cp_async_commit();
+    const uint8_t* st = smem + stage * Smem::kStageBytes;
     uint32_t a[4][4];
     #pragma unroll
-    for (int f = 0; f < 4; ++f) {
-      const uint4 c = words.codes[f / 2];
-      const uint32_t s = f % 2 == 0 ? words.scales[f / 2].x : words.scales[f / 2].y;
-      w4a8::decode_k32(f % 2 == 0 ? c.x : c.z, f % 2 == 0 ? c.y : c.w, s, addend, a[f]);
+    for (int c = 0; c < 2; ++c) {
+      const uint4 q = *reinterpret_cast<const uint4*>(st + Smem::kWCodeOffset + c * kCodeBytesPerTile + tid * 16);
+      const uint2 sc =
+          *reinterpret_cast<const uint2*>(st + Smem::kWScaleOffset + c * kScaleBytesPerTile + (warp * 8 + quad) * 8);
+      w4a8::decode_k32(q.x, q.y, sc.x, addend, a[2 * c]);
+      w4a8::decode_k32(q.z, q.w, sc.y, addend, a[2 * c + 1]);
     }
-    if (kb + 1 < blocks) words = load_block_words(codes, scales, kb + 1);
-    ptx::cp_async_wait<1>();
-    ptx::fence_proxy_async_shared();
-    __syncthreads();  // block kb's codes and scales are in `stage`
     float part[kBlockN / 2];
     #pragma unroll
     for (int j = 0; j < kBlockN / 2; ++j) part[j] = 0.0f;
-    const uint64_t desc = ptx::make_sw128_desc(smem + stage * Smem::kBStageBytes);
+    const uint64_t desc = ptx::make_sw128_desc(st);
     ptx::wgmma_fence();
     #pragma unroll
     for (int f = 0; f < 4; ++f) {
@@ -150,10 +168,9 @@ __device__ __forceinline__ void w4a8_item_mainloop(const W4a8GemmParams& p, cons
     }
     ptx::wgmma_commit();
     ptx::wgmma_wait_all();
-    const float* block_scale = reinterpret_cast<const float*>(smem + Smem::kScaleOffset) + stage * kBlockN;
+    const int32_t* exps = reinterpret_cast<const int32_t*>(st + Smem::kExpOffset);
     #pragma unroll
-    for (int j = 0; j < kBlockN / 2; ++j) acc[j] = fmaf(part[j], block_scale[8 * (j / 4) + 2 * t + j % 2], acc[j]);
-    __syncthreads();  // every thread is done with `stage`: the next iteration's copies refill it
+    for (int j = 0; j < kBlockN / 2; ++j) acc[j] = fmaf(part[j], w4a8::exp2i(exps[8 * (j / 4) + 2 * t + j % 2]), acc[j]);
   }
 }
 
