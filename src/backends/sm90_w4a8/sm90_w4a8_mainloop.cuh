@@ -90,10 +90,12 @@ __device__ __forceinline__ void copy_block(const W4a8GemmParams& p, const W4a8BR
   }
 }
 
-template <int kBlockN, size_t... I>
+// d = a . b (kAccumulate false: d's old values are not read, so it needs no zeroing) or d += a . b.
+template <int kBlockN, bool kAccumulate, size_t... I>
 __device__ __forceinline__ void wgmma_e4m3(const uint32_t (&a)[4], uint64_t desc, float (&d)[kBlockN / 2],
                                            std::index_sequence<I...>) {
-  ptx::WgmmaRSE4m3<kBlockN>::Op::fma(a[0], a[1], a[2], a[3], desc, d[I]...);
+  using cute::SM90::GMMA::ScaleOut;
+  ptx::WgmmaRSE4m3<kBlockN>::Op::fma(a[0], a[1], a[2], a[3], desc, d[I]..., kAccumulate ? ScaleOut::One : ScaleOut::Zero);
 }
 
 // acc = x_item . W_tileᵀ of the item's 64-row tile (w.m_block), every K: acc[4i + 2h + c] is
@@ -157,20 +159,28 @@ __device__ __forceinline__ void w4a8_item_mainloop(const W4a8GemmParams& p, cons
       w4a8::decode_k32(q.z, q.w, sc.y, addend, a[2 * c + 1]);
     }
     float part[kBlockN / 2];
-    #pragma unroll
-    for (int j = 0; j < kBlockN / 2; ++j) part[j] = 0.0f;
     const uint64_t desc = ptx::make_sw128_desc(st);
     ptx::wgmma_fence();
+    // k32 step f starts 32 bytes further into each swizzled row (16-byte units in the descriptor).
+    wgmma_e4m3<kBlockN, false>(a[0], desc, part, std::make_index_sequence<kBlockN / 2>{});
     #pragma unroll
-    for (int f = 0; f < 4; ++f) {
-      // k32 step f starts 32 bytes further into each swizzled row (16-byte units in the descriptor).
-      wgmma_e4m3<kBlockN>(a[f], desc + 2 * f, part, std::make_index_sequence<kBlockN / 2>{});
+    for (int f = 1; f < 4; ++f) {
+      wgmma_e4m3<kBlockN, true>(a[f], desc + 2 * f, part, std::make_index_sequence<kBlockN / 2>{});
     }
     ptx::wgmma_commit();
     ptx::wgmma_wait_all();
+    // acc[4i + 2h + c] is token column 8i + 2t + c: one 8-byte read per i gives both columns'
+    // exponents, for both rows h.
     const int32_t* exps = reinterpret_cast<const int32_t*>(st + Smem::kExpOffset);
     #pragma unroll
-    for (int j = 0; j < kBlockN / 2; ++j) acc[j] = fmaf(part[j], w4a8::exp2i(exps[8 * (j / 4) + 2 * t + j % 2]), acc[j]);
+    for (int i = 0; i < kBlockN / 8; ++i) {
+      const int2 e = *reinterpret_cast<const int2*>(exps + 8 * i + 2 * t);
+      const float s0 = w4a8::exp2i(e.x), s1 = w4a8::exp2i(e.y);
+      acc[4 * i] = fmaf(part[4 * i], s0, acc[4 * i]);
+      acc[4 * i + 1] = fmaf(part[4 * i + 1], s1, acc[4 * i + 1]);
+      acc[4 * i + 2] = fmaf(part[4 * i + 2], s0, acc[4 * i + 2]);
+      acc[4 * i + 3] = fmaf(part[4 * i + 3], s1, acc[4 * i + 3]);
+    }
   }
 }
 
