@@ -52,6 +52,38 @@ struct GpuMoe {
                             cudaStream_t stream = nullptr) {
     return run_into<uint16_t>(hidden, topk, stream);
   }
+  // run() captured once in a CUDA graph on its own stream, then replayed `replays` times, the
+  // output and the workspace poisoned before each replay: each replay's output.
+  std::vector<std::vector<uint16_t>> run_graph_replays(const std::vector<uint16_t>& hidden,
+                                                       const reference::TopK& topk, int replays) {
+    const int64_t T = topk.tokens;
+    DeviceBuffer<uint16_t> d_hidden(hidden), d_out(static_cast<size_t>(T * plan.problem().hidden_size));
+    DeviceBuffer<int32_t> d_ids(topk.ids);
+    DeviceBuffer<float> d_weights(topk.weights);
+    cudaStream_t stream;
+    gpu::check_cuda(cudaStreamCreate(&stream), "cudaStreamCreate");
+    MoeRunArgs args{d_hidden.get(), d_ids.get(), d_weights.get(), T, d_out.get(), workspace.get()};
+    megamoe::run(plan, weights, args, stream);  // warm-up: kernel attributes set outside capture
+    gpu::check_cuda(cudaStreamSynchronize(stream), "warm-up");
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    gpu::check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
+    megamoe::run(plan, weights, args, stream);
+    gpu::check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
+    gpu::check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+    std::vector<std::vector<uint16_t>> outs;
+    for (int rep = 0; rep < replays; ++rep) {
+      d_out.poison();
+      workspace.poison();
+      gpu::check_cuda(cudaGraphLaunch(exec, stream), "graph launch");
+      gpu::check_cuda(cudaStreamSynchronize(stream), "graph replay");
+      outs.push_back(d_out.download());
+    }
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+    return outs;
+  }
   // The same with the fp32 output (MoeRunArgs::output_f32: the sums before the bf16 rounding).
   std::vector<float> run_f32(const std::vector<uint16_t>& hidden, const reference::TopK& topk,
                              cudaStream_t stream = nullptr) {

@@ -334,30 +334,8 @@ TEST(GpuMoe, GraphReplayEqualsEager) {
   const auto topk = testing::random_topk(rng, T, 8, 2);
   GpuMoe gpu(layer, T, true);
   const auto eager = gpu.run(hidden, topk);
-
-  DeviceBuffer<uint16_t> d_hidden(hidden), d_out(static_cast<size_t>(T * H));
-  DeviceBuffer<int32_t> d_ids(topk.ids);
-  DeviceBuffer<float> d_w(topk.weights);
-  cudaStream_t stream;
-  gpu::check_cuda(cudaStreamCreate(&stream), "cudaStreamCreate");
-  MoeRunArgs args{d_hidden.get(), d_ids.get(), d_w.get(), T, d_out.get(), gpu.workspace.get()};
-  run(gpu.plan, gpu.weights, args, stream);  // warm-up: kernel attributes set outside capture
-  gpu::check_cuda(cudaStreamSynchronize(stream), "warm-up");
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  gpu::check_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), "begin capture");
-  run(gpu.plan, gpu.weights, args, stream);
-  gpu::check_cuda(cudaStreamEndCapture(stream, &graph), "end capture");
-  gpu::check_cuda(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  for (int rep = 0; rep < 3; ++rep) {
-    d_out.poison();
-    gpu::check_cuda(cudaGraphLaunch(exec, stream), "graph launch");
-    gpu::check_cuda(cudaStreamSynchronize(stream), "graph replay");
-    ASSERT_EQ(d_out.download(), eager) << "replay " << rep;
-  }
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
+  const auto replays = gpu.run_graph_replays(hidden, topk, 3);
+  for (size_t rep = 0; rep < replays.size(); ++rep) EXPECT_EQ(replays[rep], eager) << "replay " << rep;
 }
 
 // Runs a random layer (H = 128, I = 64 unless given; E experts, top-k) over T tokens with the
