@@ -15,6 +15,7 @@
 #include <random>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -240,30 +241,28 @@ int run_bench(const BenchOptions& opt) {
     dx.upload(x);
     dids.upload(topk.ids);
     dw.upload(topk.weights);
-    check_cuda(cudaMemset(dout.get(), 0xFF, dout.size() * 2), "poison");
-    run_ours(plan_for_check(T), dx.get(), dids.get(), dw.get(), T, dout.get());
-    check_cuda(cudaStreamSynchronize(stream), "run");
-    const auto got = dout.download();
-    int64_t bad = 0;
-    const double err = reference_rel_l2(layer, x, topk, got, spread_rows(T, T), &bad);
-    const bool ok = err <= kMaxRelL2 && bad == 0;
-    status |= ok ? 0 : 1;
+    // One eager run of `with` (output poisoned first) against the reference of the precision it
+    // resolves to at T.
+    auto check = [&](const MoePlan& with, bool w4a8) {
+      check_cuda(cudaMemset(dout.get(), 0xFF, dout.size() * 2), "poison");
+      run_ours(with, dx.get(), dids.get(), dw.get(), T, dout.get());
+      check_cuda(cudaStreamSynchronize(stream), "run");
+      int64_t bad = 0;
+      const double err = reference_rel_l2(layer, x, topk, dout.download(), spread_rows(T, T), &bad, w4a8);
+      const bool ok = err <= (w4a8 ? kMaxW4a8RelL2 : kMaxRelL2) && bad == 0;
+      status |= ok ? 0 : 1;
+      return std::tuple{err, bad, ok};
+    };
+    const auto [err, bad, ok] = check(plan_for_check(T), false);
     std::printf("accuracy vs CPU reference (T=%lld): rel L2 %.3g, non-finite %lld: %s\n", (long long)T, err,
                 (long long)bad, ok ? "PASS" : "FAIL");
     report["accuracy"] = {{"tokens", T}, {"rel_l2", err}, {"non_finite", bad}, {"pass", ok}};
     if (beside) {
       const bool w4a8 = other_plan->resolved_precision(T) == Precision::kW4a8;
-      check_cuda(cudaMemset(dout.get(), 0xFF, dout.size() * 2), "poison");
-      run_ours(*other_plan, dx.get(), dids.get(), dw.get(), T, dout.get());
-      check_cuda(cudaStreamSynchronize(stream), "run");
-      int64_t bad2 = 0;
-      const double err2 = reference_rel_l2(layer, x, topk, dout.download(), spread_rows(T, T), &bad2, w4a8);
-      const double bound = w4a8 ? kMaxW4a8RelL2 : kMaxRelL2;
-      const bool ok2 = err2 <= bound && bad2 == 0;
-      status |= ok2 ? 0 : 1;
+      const auto [err2, bad2, ok2] = check(*other_plan, w4a8);
       std::printf("accuracy of %s vs the CPU %s (T=%lld): rel L2 %.3g (allowed %.0e), non-finite %lld: %s\n",
-                  opt.precision.c_str(), w4a8 ? "W4A8 emulation" : "reference", (long long)T, err2, bound,
-                  (long long)bad2, ok2 ? "PASS" : "FAIL");
+                  opt.precision.c_str(), w4a8 ? "W4A8 emulation" : "reference", (long long)T, err2,
+                  w4a8 ? kMaxW4a8RelL2 : kMaxRelL2, (long long)bad2, ok2 ? "PASS" : "FAIL");
       report[opt.precision]["accuracy"] = {{"tokens", T}, {"rel_l2", err2}, {"non_finite", bad2}, {"pass", ok2}};
     }
   }
@@ -394,13 +393,48 @@ int run_bench(const BenchOptions& opt) {
     dx.upload(x);
     dids.upload(topk.ids);
     dw.upload(topk.weights);
-    run_ours(plan, dx.get(), dids.get(), dw.get(), T, dout.get());  // warm-up outside capture
-    check_cuda(cudaStreamSynchronize(stream), "warm-up");
-    const Graph ours(stream, [&] { run_ours(plan, dx.get(), dids.get(), dw.get(), T, dout.get()); });
-    run_untimed_for([&] { ours.launch(stream); }, stream, &flush, opt.warm_ms);
-    if (sm_clock) sm_clock->start();
-    const double us = event_median_us([&] { ours.launch(stream); }, opt.replays, 2, stream, &flush, 0);
-    const SmClockStats clock = sm_clock ? sm_clock->stop() : SmClockStats{};
+    // One plan at this point: a warm-up run outside capture, the graph's replays timed after an L2
+    // flush each (the SM clock sampled where asked), then the timed graph's own output: poisoned,
+    // replayed once, downloaded.
+    struct Timed {
+      double us;
+      SmClockStats clock;
+      std::vector<uint16_t> got;
+    };
+    auto time_plan = [&](const MoePlan& with, bool sample_clock) {
+      run_ours(with, dx.get(), dids.get(), dw.get(), T, dout.get());
+      check_cuda(cudaStreamSynchronize(stream), "warm-up");
+      const Graph g(stream, [&] { run_ours(with, dx.get(), dids.get(), dw.get(), T, dout.get()); });
+      run_untimed_for([&] { g.launch(stream); }, stream, &flush, opt.warm_ms);
+      Timed r{};
+      if (sample_clock && sm_clock) sm_clock->start();
+      r.us = event_median_us([&] { g.launch(stream); }, opt.replays, 2, stream, &flush, 0);
+      if (sample_clock && sm_clock) r.clock = sm_clock->stop();
+      check_cuda(cudaMemsetAsync(dout.get(), 0xFF, dout.size() * 2, stream), "poison");
+      g.launch(stream);
+      check_cuda(cudaStreamSynchronize(stream), "checked replay");
+      r.got = dout.download();
+      return r;
+    };
+    // Every value finite and check_tokens rows spread over [0, T) against the CPU reference (the
+    // W4A8 emulation where the plan runs W4A8) on the same inputs.
+    const std::vector<int64_t> rows = spread_rows(T, opt.check_tokens);
+    struct Checked {
+      double err;
+      int64_t nonfinite;
+      bool ok;
+    };
+    auto check = [&](const std::vector<uint16_t>& got, bool w4a8) {
+      int64_t rows_nonfinite = 0;  // a part of nonfinite, which counts the whole output
+      const int64_t nonfinite = count_nonfinite(got);
+      const double err = reference_rel_l2(layer, x, topk, got, rows, &rows_nonfinite, w4a8);
+      const bool ok = nonfinite == 0 && err <= (w4a8 ? kMaxW4a8RelL2 : kMaxRelL2);
+      status |= ok ? 0 : 1;
+      return Checked{err, nonfinite, ok};
+    };
+    const Timed ours = time_plan(plan, /*sample_clock=*/true);
+    const double us = ours.us;
+    const SmClockStats& clock = ours.clock;
     double base_us = 0;
     if (base) {
       base->set_routing(topk);
@@ -410,19 +444,7 @@ int run_bench(const BenchOptions& opt) {
       const Graph g(stream, [&] { base->run(dx.get(), bout.get(), stream); });
       base_us = event_median_us([&] { g.launch(stream); }, opt.replays, 2, stream, &flush, opt.warm_ms);
     }
-    // The timed graph's own output: poisoned, replayed once, then every value finite and
-    // check_tokens rows spread over [0, T) against the CPU reference on the same inputs.
-    check_cuda(cudaMemsetAsync(dout.get(), 0xFF, dout.size() * 2, stream), "poison");
-    ours.launch(stream);
-    check_cuda(cudaStreamSynchronize(stream), "checked replay");
-    const auto got = dout.download();
-    // rows_nonfinite is a part of nonfinite, which counts the whole output.
-    const std::vector<int64_t> rows = spread_rows(T, opt.check_tokens);
-    int64_t rows_nonfinite = 0;
-    const int64_t nonfinite = count_nonfinite(got);
-    const double check_err = reference_rel_l2(layer, x, topk, got, rows, &rows_nonfinite);
-    const bool check_ok = nonfinite == 0 && check_err <= kMaxRelL2;
-    status |= check_ok ? 0 : 1;
+    const auto [check_err, nonfinite, check_ok] = check(ours.got, false);
     const double pct = 100.0 * floor_us / us;
     // sm_MHz: the mean SM clock over our timed replays ("-": no reading).
     const std::string mhz = clock.samples > 0 ? std::to_string(static_cast<int>(clock.mean_mhz + 0.5)) : "-";
@@ -437,20 +459,9 @@ int run_bench(const BenchOptions& opt) {
       const bool w4a8 = ran == Precision::kW4a8;
       const double other_floor =
           std::max(weights_bytes / (copy_tbps * 1e12), flops / ((w4a8 ? fp8_tflops : mma_tflops) * 1e12)) * 1e6;
-      run_ours(*other_plan, dx.get(), dids.get(), dw.get(), T, dout.get());
-      check_cuda(cudaStreamSynchronize(stream), "warm-up");
-      const Graph g(stream, [&] { run_ours(*other_plan, dx.get(), dids.get(), dw.get(), T, dout.get()); });
-      run_untimed_for([&] { g.launch(stream); }, stream, &flush, opt.warm_ms);
-      const double other_us = event_median_us([&] { g.launch(stream); }, opt.replays, 2, stream, &flush, 0);
-      check_cuda(cudaMemsetAsync(dout.get(), 0xFF, dout.size() * 2, stream), "poison");
-      g.launch(stream);
-      check_cuda(cudaStreamSynchronize(stream), "checked replay");
-      const auto other_got = dout.download();
-      int64_t other_rows_nonfinite = 0;
-      const int64_t other_nonfinite = count_nonfinite(other_got);
-      const double other_err = reference_rel_l2(layer, x, topk, other_got, rows, &other_rows_nonfinite, w4a8);
-      const bool other_ok = other_nonfinite == 0 && other_err <= (w4a8 ? kMaxW4a8RelL2 : kMaxRelL2);
-      status |= other_ok ? 0 : 1;
+      const Timed other = time_plan(*other_plan, /*sample_clock=*/false);
+      const double other_us = other.us;
+      const auto [other_err, other_nonfinite, other_ok] = check(other.got, w4a8);
       std::printf(" %8s %10.1f %10.1f %7.1f%% %8.2fx %9.2e%s", precision_name(ran), other_floor, other_us,
                   100.0 * other_floor / other_us, us / other_us, other_err, other_ok ? "" : " FAIL");
       other_point = {{"precision", precision_name(ran)}, {"floor_us", other_floor}, {"us", other_us},
