@@ -212,7 +212,10 @@ int run_bench(const BenchOptions& opt) {
   if (beside) {
     MoeProblem p = problem;
     p.precision = other;
-    other_plan = MoePlan::create(p);
+    MoeTuning other_tuning;
+    other_tuning.l1_tile = opt.w4a8_l1_tile;
+    other_tuning.l2_tile = opt.w4a8_l2_tile;
+    other_plan = MoePlan::create(p, other_tuning);
   }
   const MoeDeviceWeights weights = MoeDeviceWeights::upload(layer, stream);
   DeviceBuffer<uint8_t> workspace(std::max(plan.workspace_bytes(), beside ? other_plan->workspace_bytes() : 0));

@@ -36,6 +36,8 @@ struct BenchOptions {
   std::optional<bool> absorbing_tile;  // MoeTuning override (unset: the heuristic's choice)
   std::optional<std::string> l1_tile;  // MoeTuning override: a tile table row's name (unset: the heuristic's)
   std::optional<std::string> l2_tile;  // MoeTuning override: a tile table row's name (unset: the heuristic's)
+  // The --precision plan's MoeTuning l1_tile / l2_tile (the W4A8 tile table's names).
+  std::optional<std::string> w4a8_l1_tile, w4a8_l2_tile;
   uint64_t seed = 0x5eed;
   std::string json;         // write the results here when set
   // Write here, per point, the kernels' timeline of one more run (after the timed ones, the L2

@@ -484,8 +484,31 @@ TEST(BackendTable, W4a8RowValidatesItsShapes) {
   const runtime::MoeBackend& w4a8 = *runtime::find_backend(90, Precision::kW4a8);
   EXPECT_STREQ(w4a8.weight_layout(), runtime::find_backend(90, Precision::kW4a16)->weight_layout());
   EXPECT_GT(w4a8.workspace_bytes(qwen3_30b()), runtime::find_backend(90, Precision::kW4a16)->workspace_bytes(qwen3_30b()));
-  EXPECT_EQ(runtime::w4a8_block_n(qwen3_30b(), 1), 32);
-  EXPECT_EQ(runtime::w4a8_block_n(qwen3_30b(), 16384), 128);
+}
+
+// The w4a8 row's tiles: the heuristic by slots per expert, MoeTuning's names of this row's table
+// in its place, anything else refused with the table.
+TEST(BackendTable, W4a8TilesFollowTheHeuristicOrTheTuning) {
+  using runtime::kW4a8Tiles;
+  const runtime::W4a8Config decode = runtime::w4a8_heuristic(qwen3_30b(), 1);
+  EXPECT_STREQ(kW4a8Tiles[decode.l1].name, "fp8_narrow32");
+  EXPECT_STREQ(kW4a8Tiles[runtime::w4a8_heuristic(deepseek_v3(), 4096).l1].name, "fp8_tall128");  // 128 per expert
+  const runtime::W4a8Config prefill = runtime::w4a8_heuristic(qwen3_30b(), 16384);            // 1024 per expert
+  EXPECT_STREQ(kW4a8Tiles[prefill.l1].name, "fp8_wide256");
+  EXPECT_STREQ(kW4a8Tiles[prefill.l2].name, "fp8_wide256");
+  for (const runtime::W4a8Tile& t : kW4a8Tiles) {
+    EXPECT_EQ(t.block_m_tiles * 64 * t.block_n, t.warp_specialized ? 128 * 128 : 64 * t.block_n) << t.name;
+  }
+
+  MoeProblem p = qwen3_30b();
+  p.precision = Precision::kW4a8;
+  MoeTuning tuning;
+  tuning.l1_tile = "fp8_wide256";
+  tuning.l2_tile = "fp8_single128";
+  EXPECT_EQ(runtime::w4a8_config(p, tuning, 1).to_string(), "L1{fp8_wide256} L2{fp8_single128}");
+  tuning.l2_tile = "prefill128";  // a w4a16 tile
+  EXPECT_MEGAMOE_ERROR(runtime::w4a8_config(p, tuning, 1), kInvalidArgument, "l2_tile = 'prefill128'",
+                       "fp8_narrow32, fp8_single128, fp8_tall128, fp8_wide256");
 }
 
 // The row's validation is the sm90 pipeline's, after the checks every row shares.

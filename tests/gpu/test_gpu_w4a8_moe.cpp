@@ -58,14 +58,17 @@ struct Case {
   std::optional<float> limit = std::nullopt;
   int only_expert = -1;
   std::vector<int> expert_tokens = {};  // if set: k = 1 and exactly this many tokens per expert
+  const char* tile = nullptr;           // both GEMMs' tile (MoeTuning::l1_tile / l2_tile); unset: the heuristic's
 };
 void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
-MoePlan w4a8_plan(const MoeLayer& layer, int64_t max_tokens, bool deterministic) {
+MoePlan w4a8_plan(const MoeLayer& layer, int64_t max_tokens, bool deterministic, const char* tile = nullptr) {
   MoeProblem p = MoeProblem::from_layer(layer, max_tokens);
   p.precision = Precision::kW4a8;
   p.deterministic = deterministic;
-  return MoePlan::create(p);
+  MoeTuning tuning;
+  if (tile != nullptr) tuning.l1_tile = tuning.l2_tile = std::string(tile);
+  return MoePlan::create(p, tuning);
 }
 
 template <class F>
@@ -252,7 +255,7 @@ void check_case(const Case& c, bool deterministic) {
   const auto topk = c.expert_tokens.empty() ? testing::random_topk(rng, c.T, c.E, c.k, c.only_expert)
                                             : testing::counted_topk(rng, c.expert_tokens);
   ASSERT_EQ(topk.tokens, c.T) << "case " << c.name << ": T must be the sum of expert_tokens";
-  GpuMoe gpu(w4a8_plan(layer, c.T, deterministic), MoeDeviceWeights::upload(layer));
+  GpuMoe gpu(w4a8_plan(layer, c.T, deterministic, c.tile), MoeDeviceWeights::upload(layer));
   ASSERT_EQ(gpu.plan.resolved_precision(c.T), Precision::kW4a8);
   // The fp32 output (the combine's sums before the bf16 rounding) and the intermediates of that
   // run; then the bf16 output, from the same intermediates (L1 and the quantizations are
@@ -346,7 +349,25 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"deepseek_v4_flash_T3", 4096, 2048, 4, 2, 3},
                       Case{"qwen3_235b_T17", 4096, 1536, 4, 2, 17},
                       Case{"qwen3_30b_T3", 2048, 768, 8, 2, 3}, Case{"qwen3_30b_T1000", 2048, 768, 8, 2, 1000},
-                      Case{"qwen3_30b_T4096", 2048, 768, 16, 2, 4096}),
+                      Case{"qwen3_30b_T4096", 2048, 768, 16, 2, 4096},
+                      // Every tile of the row's table on the shapes that stress it (items per CTA
+                      // past the stages, partial and empty token tiles, an expert over 256 tokens).
+                      Case{"T1000_single128", 384, 256, 16, 4, 1000, 0, std::nullopt, -1, {}, "fp8_single128"},
+                      Case{"T17_tall", 256, 128, 8, 2, 17, 0, std::nullopt, -1, {}, "fp8_tall128"},
+                      Case{"T1000_tall", 384, 256, 16, 4, 1000, 0, std::nullopt, -1, {}, "fp8_tall128"},
+                      Case{"T1000_wide", 384, 256, 16, 4, 1000, 0, std::nullopt, -1, {}, "fp8_wide256"},
+                      Case{"empty_experts_tall", 256, 128, 8, 1, 48, 0, std::nullopt, -1, {0, 5, 0, 0, 40, 0, 3, 0},
+                           "fp8_tall128"},
+                      Case{"empty_experts_wide", 256, 128, 8, 1, 48, 0, std::nullopt, -1, {0, 5, 0, 0, 40, 0, 3, 0},
+                           "fp8_wide256"},
+                      Case{"one_expert_all_tokens_tall", 256, 128, 8, 1, 300, 0, std::nullopt, -1,
+                           {0, 0, 0, 300, 0, 0, 0, 0}, "fp8_tall128"},
+                      Case{"one_expert_all_tokens_wide", 256, 128, 8, 1, 300, 0, std::nullopt, -1,
+                           {0, 0, 0, 300, 0, 0, 0, 0}, "fp8_wide256"},
+                      Case{"shared_clamp_T1000_tall", 256, 128, 16, 4, 1000, 128, 1.0f, -1, {}, "fp8_tall128"},
+                      Case{"deepseek_v3_T128_wide", 7168, 2048, 4, 2, 128, 0, std::nullopt, -1, {}, "fp8_wide256"},
+                      Case{"deepseek_v3_T600_tall", 7168, 2048, 4, 2, 600, 0, std::nullopt, -1, {}, "fp8_tall128"},
+                      Case{"qwen3_30b_T4096_tall", 2048, 768, 16, 2, 4096, 0, std::nullopt, -1, {}, "fp8_tall128"}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 // A captured run replays to the eager output, bit for bit (deterministic combine).

@@ -20,6 +20,7 @@
 #include "bench/ep_loopback_bench.h"
 #include "bench/moe_bench.h"
 #include "backends/sm90_w4a16/sm90_w4a16_tiles.h"
+#include "backends/sm90_w4a8/sm90_w4a8_tiles.h"
 #include "commands.h"
 #include "megamoe/gpu.h"
 #include "megamoe/presets.h"
@@ -234,6 +235,15 @@ Command add_bench_command(CLI::App& parent) {
                "'s tile, by its name in the W4A16 tile table; the layer then runs two launches without early "
                "start (with --fused on: one, where both GEMMs take decode16 or decode32)")
         ->check(CLI::IsMember(w4a16_tile_names()));
+  }
+  std::vector<std::string> w4a8_names;
+  for (const runtime::W4a8Tile& t : runtime::kW4a8Tiles) w4a8_names.emplace_back(t.name);
+  for (auto [flag, field, gemm] : {std::tuple{"--w4a8-l1-tile", &opt->w4a8_l1_tile, "L1"},
+                                   std::tuple{"--w4a8-l2-tile", &opt->w4a8_l2_tile, "L2"}}) {
+    app->add_option_function<std::string>(
+           flag, [field](const std::string& name) { *field = name; },
+           std::string("with --precision w4a8: ") + gemm + "'s tile in the W4A8 tile table, in place of its heuristic's")
+        ->check(CLI::IsMember(w4a8_names));
   }
   app->add_option("--seed", opt->seed, "seed of the synthesized weights and inputs");
   app->add_option("--json", opt->json, "write the results as JSON (plot with bench/plot_bench.py)");

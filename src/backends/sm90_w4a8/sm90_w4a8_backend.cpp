@@ -23,7 +23,7 @@ class Sm90W4a8Backend final : public Sm90PrepackedBackend {
   }
   size_t workspace_bytes(const MoeProblem& problem) const override { return w4a8_workspace_layout(problem).total; }
   std::string describe_config(const MoePlan& plan, int64_t tokens) const override {
-    return w4a8_config(plan.problem(), tokens);
+    return w4a8_config(plan, tokens).to_string();
   }
   void run(const MoePlan& plan, const BackendWeights& weights, const MoeRunArgs& args, cudaStream_t stream,
            const GatedTokens* gated) const override {

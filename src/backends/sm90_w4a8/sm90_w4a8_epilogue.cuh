@@ -15,12 +15,13 @@
 
 namespace megamoe::kernels::sm90::detail {
 
+// tid: the thread's index in its warpgroup; w: the warpgroup's (64, kBlockN) part of the item.
 template <bool kIsL1, int kBlockN>
 __device__ __forceinline__ void w4a8_store_tile(const W4a8GemmParams& p, const float (&acc)[kBlockN / 2],
-                                                const WorkItem& w) {
+                                                const WorkItem& w, int tid) {
   using namespace w4a16;
   const W4a16GemmParams& g = p.g;
-  const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, quad = tid % 32 / 4, t = tid % 4;
+  const int warp = tid / 32, quad = tid % 32 / 4, t = tid % 4;
   if constexpr (kIsL1) {
     // Rows r0 and r0 + 8 of a W13 tile are the gate and up rows of one intermediate column.
     const float s_gate = g.s2_gate[w.expert], s_up = g.s2_up[w.expert], limit = g.swiglu_limit;

@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(detail::kW4a8Threads) w4a8_grouped_gemm_kernel
     float acc[kBlockN / 2];
     detail::w4a8_item_mainloop<kIsL1, kBlockN>(p, w, smem, acc);
     if (threadIdx.x == 0) next_work_shared = detail::claim_work(p.g.work_counter);
-    detail::w4a8_store_tile<kIsL1, kBlockN>(p, acc, w);
+    detail::w4a8_store_tile<kIsL1, kBlockN>(p, acc, w, static_cast<int>(threadIdx.x));
     __syncthreads();  // next_work_shared; every thread read the previous one before the K loop's barriers
     work = next_work_shared;
   }

@@ -2,6 +2,7 @@
 // quantized per token and 128 columns; L1 (fp8 decode, per-128-K promotion, SwiGLU to fp32);
 // a quantized per slot and 128 columns; L2 and its combine epilogue; the shared combine.
 #include <algorithm>
+#include <iterator>
 #include <cstdint>
 #include <limits>
 #include <utility>
@@ -10,6 +11,7 @@
 #include "backends/sm90_w4a8/sm90_w4a8_act_quant.cuh"
 #include "backends/sm90_w4a8/sm90_w4a8_grouped_gemm_kernel.cuh"
 #include "backends/sm90_w4a8/sm90_w4a8_run.h"
+#include "backends/sm90_w4a8/sm90_w4a8_ws_kernel.cuh"
 #include "megamoe/gpu.h"
 #include "megamoe/status.h"
 #include "runtime/sm90/sm90_launch_util.h"
@@ -51,16 +53,44 @@ W4a8WorkspaceLayout w4a8_workspace_layout(const MoeProblem& p) {
   return w;
 }
 
-int w4a8_block_n(const MoeProblem& p, int64_t tokens) {
-  // Slots per routed expert under uniform routing: up to 32 the narrow tile wastes less MMA.
-  const double per_expert = static_cast<double>(tokens) * p.top_k / static_cast<double>(p.num_experts);
-  return per_expert <= 32.0 ? 32 : 128;
+std::string W4a8Config::to_string() const {
+  return std::string("L1{") + kW4a8Tiles[l1].name + "} L2{" + kW4a8Tiles[l2].name + "}";
 }
 
-std::string w4a8_config(const MoeProblem& p, int64_t tokens) {
-  const std::string n = std::to_string(w4a8_block_n(p, tokens));
-  return "L1{wg=1 n=" + n + " fp8} L2{wg=1 n=" + n + " fp8}";
+W4a8Config w4a8_heuristic(const MoeProblem& p, int64_t tokens) {
+  // Slots per routed expert under uniform routing: up to 32 the narrow tile wastes less MMA; from
+  // 192 the wide tile's half decode per MAC outweighs its padding to 256.
+  const double per_expert = static_cast<double>(tokens) * p.top_k / static_cast<double>(p.num_experts);
+  const int tile = per_expert <= 32.0 ? kW4a8TileNarrow32 : per_expert < 192.0 ? kW4a8TileTall128 : kW4a8TileWide256;
+  return {tile, tile};
 }
+
+namespace {
+
+std::string w4a8_tile_names() {
+  std::string names;
+  for (const W4a8Tile& t : kW4a8Tiles) names += (names.empty() ? "" : ", ") + std::string(t.name);
+  return names;
+}
+
+int w4a8_named_tile(const char* field, const std::string& name) {
+  for (int i = 0; i < static_cast<int>(std::size(kW4a8Tiles)); ++i) {
+    if (name == kW4a8Tiles[i].name) return i;
+  }
+  MEGAMOE_FAIL(kInvalidArgument, "MoeTuning.", field, " = '", name, "' names no tile of precision w4a8; its tiles are ",
+               w4a8_tile_names());
+}
+
+}  // namespace
+
+W4a8Config w4a8_config(const MoeProblem& p, const MoeTuning& tuning, int64_t tokens) {
+  W4a8Config cfg = w4a8_heuristic(p, tokens);
+  if (tuning.l1_tile) cfg.l1 = w4a8_named_tile("l1_tile", *tuning.l1_tile);
+  if (tuning.l2_tile) cfg.l2 = w4a8_named_tile("l2_tile", *tuning.l2_tile);
+  return cfg;
+}
+
+W4a8Config w4a8_config(const MoePlan& plan, int64_t tokens) { return w4a8_config(plan.problem(), plan.tuning(), tokens); }
 
 namespace {
 
@@ -74,18 +104,31 @@ struct W4a8Kernel {
   }
 };
 
-template <bool kIsL1, int kBlockN>
-void launch_gemm(const k90::W4a8GemmParams& params, int num_sms, int64_t max_work, cudaStream_t stream) {
-  using K = W4a8Kernel<kIsL1, kBlockN>;
+template <bool kIsL1, int kMTiles>
+struct W4a8WsKernel {
+  using Smem = k90::detail::W4a8WsLayout<kMTiles>;
+  static constexpr auto kernel = &k90::w4a8_ws_gemm_kernel<kIsL1, kMTiles>;
+  static int blocks_per_sm() {
+    static const int n = prepare_kernel(kernel, k90::detail::kW4a8WsThreads, Smem::kAllocBytes);
+    return n;
+  }
+};
+
+template <class K>
+void launch_gemm(const k90::W4a8GemmParams& params, int threads, int num_sms, int64_t max_work, cudaStream_t stream) {
   const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(int64_t{num_sms} * K::blocks_per_sm(), max_work));
-  launch_dependent(K::kernel, static_cast<unsigned>(ctas), k90::detail::kW4a8Threads, K::Smem::kAllocBytes, stream,
-                   params);
+  launch_dependent(K::kernel, static_cast<unsigned>(ctas), threads, K::Smem::kAllocBytes, stream, params);
 }
 
 template <bool kIsL1>
-void launch_gemm(int block_n, const k90::W4a8GemmParams& params, int num_sms, int64_t max_work, cudaStream_t stream) {
-  if (block_n == 32) return launch_gemm<kIsL1, 32>(params, num_sms, max_work, stream);
-  launch_gemm<kIsL1, 128>(params, num_sms, max_work, stream);
+void launch_gemm(int tile, const k90::W4a8GemmParams& params, int num_sms, int64_t max_work, cudaStream_t stream) {
+  constexpr int kOne = k90::detail::kW4a8Threads, kWs = k90::detail::kW4a8WsThreads;
+  switch (tile) {
+    case kW4a8TileNarrow32: return launch_gemm<W4a8Kernel<kIsL1, 32>>(params, kOne, num_sms, max_work, stream);
+    case kW4a8TileSingle128: return launch_gemm<W4a8Kernel<kIsL1, 128>>(params, kOne, num_sms, max_work, stream);
+    case kW4a8TileTall128: return launch_gemm<W4a8WsKernel<kIsL1, 2>>(params, kWs, num_sms, max_work, stream);
+    default: return launch_gemm<W4a8WsKernel<kIsL1, 1>>(params, kWs, num_sms, max_work, stream);
+  }
 }
 
 // A plain launch (no programmatic serialization): it starts once the kernel before it has
@@ -101,10 +144,12 @@ void launch_quantize(const T* x, int64_t rows, int64_t cols, uint8_t* codes, int
 }
 
 // Upper bound of a GEMM's work items (sizes its grid): min(E', slots) experts hold tokens.
-int64_t max_work_items(const PipelineRun& r, int block_n, int64_t m_tiles) {
+int64_t max_work_items(const PipelineRun& r, const W4a8Tile& tile, int64_t m_tiles) {
   const int64_t slots = r.tokens * r.slots_per_token, active = std::min(r.virtual_experts, slots);
-  return m_tiles * ((slots + active * (block_n - 1)) / block_n);
+  return m_tiles / tile.block_m_tiles * ((slots + active * (tile.block_n - 1)) / tile.block_n);
 }
+
+GemmSchedule schedule_of(const W4a8Tile& tile) { return {tile.block_m_tiles, tile.block_n, tile.block_n, 1}; }
 
 k90::W4a8GemmParams gemm_params(const PipelineRun& r, const Sm90PrepackedWeights& w, const k90::DispatchParams& d,
                                 bool l1) {
@@ -149,9 +194,9 @@ void run_sm90_w4a8(const MoePlan& plan, const Sm90PrepackedWeights& w, const Moe
   const int64_t T = args.tokens, H = p.hidden_size, I = p.intermediate_size;
   const W4a8WorkspaceLayout L = w4a8_workspace_layout(p);
   const PipelineRun r = PipelineRun::make(p, args, L.base, /*early_start=*/false);
-  const int block_n = w4a8_block_n(p, T);
-  const GemmSchedule schedule{1, block_n, block_n, 1};
-  const k90::DispatchParams d = dispatch_params(r, schedule, schedule);
+  const W4a8Config cfg = w4a8_config(plan, T);
+  const W4a8Tile &t1 = kW4a8Tiles[cfg.l1], &t2 = kW4a8Tiles[cfg.l2];
+  const k90::DispatchParams d = dispatch_params(r, schedule_of(t1), schedule_of(t2));
   void* ws = args.workspace;
   if (!p.deterministic) {
     // L2 adds into the combine accumulator; the previous run's combine, its last reader, is
@@ -167,7 +212,7 @@ void run_sm90_w4a8(const MoePlan& plan, const Sm90PrepackedWeights& w, const Moe
   g1.b_codes = workspace_at<uint8_t>(ws, L.x_codes);
   g1.b_exponents = workspace_at<int32_t>(ws, L.x_exponents);
   g1.act_f32 = workspace_at<float>(ws, L.act_f32);
-  launch_gemm<true>(block_n, g1, plan.num_sms(), max_work_items(r, block_n, d.l1_m_tiles), stream);
+  launch_gemm<true>(cfg.l1, g1, plan.num_sms(), max_work_items(r, t1, d.l1_m_tiles), stream);
 
   // Every slot row up to the bound: rows past the routed slots (invalid ids) are never read.
   const int64_t slots = T * r.slots_per_token;
@@ -177,7 +222,7 @@ void run_sm90_w4a8(const MoePlan& plan, const Sm90PrepackedWeights& w, const Moe
   k90::W4a8GemmParams g2 = gemm_params(r, w, d, /*l1=*/false);
   g2.b_codes = workspace_at<uint8_t>(ws, L.a_codes);
   g2.b_exponents = workspace_at<int32_t>(ws, L.a_exponents);
-  launch_gemm<false>(block_n, g2, plan.num_sms(), max_work_items(r, block_n, d.l2_m_tiles), stream);
+  launch_gemm<false>(cfg.l2, g2, plan.num_sms(), max_work_items(r, t2, d.l2_m_tiles), stream);
   launch_combine(combine_params(r, d), plan.num_sms(), stream);
 }
 
@@ -186,6 +231,10 @@ void load_w4a8_kernels() {
   W4a8Kernel<false, 32>::blocks_per_sm();
   W4a8Kernel<true, 128>::blocks_per_sm();
   W4a8Kernel<false, 128>::blocks_per_sm();
+  W4a8WsKernel<true, 1>::blocks_per_sm();
+  W4a8WsKernel<false, 1>::blocks_per_sm();
+  W4a8WsKernel<true, 2>::blocks_per_sm();
+  W4a8WsKernel<false, 2>::blocks_per_sm();
   cudaFuncAttributes a{};
   gpu::check_cuda(cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(&w4a8::quantize_act_kernel<__nv_bfloat16>)),
                   "load quantize_act_kernel<bf16>");

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "backends/sm90_w4a16/sm90_w4a16_weights.h"
+#include "backends/sm90_w4a8/sm90_w4a8_tiles.h"
 #include "megamoe/runtime.h"
 #include "runtime/backend.h"
 #include "runtime/sm90/sm90_moe_workspace.h"
@@ -28,9 +29,17 @@ struct W4a8WorkspaceLayout {
 };
 W4a8WorkspaceLayout w4a8_workspace_layout(const MoeProblem& p);
 
-// The tokens per work item of both GEMMs at T tokens (32 or 128).
-int w4a8_block_n(const MoeProblem& p, int64_t tokens);
-std::string w4a8_config(const MoeProblem& p, int64_t tokens);
+// Both GEMMs' tiles (indices into kW4a8Tiles).
+struct W4a8Config {
+  int l1 = kW4a8TileNarrow32, l2 = kW4a8TileNarrow32;
+  std::string to_string() const;
+};
+// The heuristic's choice at T tokens, from the slots per routed expert under uniform routing.
+W4a8Config w4a8_heuristic(const MoeProblem& p, int64_t tokens);
+// The heuristic's, or the tiles MoeTuning::l1_tile / l2_tile name (this row's names; any other
+// is refused with kInvalidArgument listing them).
+W4a8Config w4a8_config(const MoeProblem& p, const MoeTuning& tuning, int64_t tokens);
+W4a8Config w4a8_config(const MoePlan& plan, int64_t tokens);
 
 // Arguments already checked (check_run_args), T > 0, not gated.
 void run_sm90_w4a8(const MoePlan& plan, const Sm90PrepackedWeights& weights, const MoeRunArgs& args,

@@ -1,0 +1,63 @@
+// The warp-specialized W4A8 tile (docs/w4a8.md §8.2): one producer warpgroup copies each 128-K
+// block of an item's operands and decodes its weights once into e4m3 A tiles in shared memory;
+// two consumer warpgroups run shared-memory fp8 wgmmas on them, each 64 rows x 128 tokens, with
+// the per-block promotion. Two shapes of item, by how the consumers split it:
+//   kMTiles = 2 (tall): 128 weight rows x 128 tokens; consumer c takes 64-row tile c, B is shared.
+//   kMTiles = 1 (wide):  64 weight rows x 256 tokens; consumer c takes tokens 128c.., A is shared.
+// Wide decodes each weight once per 256 tokens (half the decode per MAC) but pads an expert's
+// tokens to 256.
+#pragma once
+
+#include <cstdint>
+
+#include "backends/sm90_w4a16/sm90_w4a16_layout.h"
+#include "backends/sm90_w4a8/sm90_w4a8_layout.h"
+
+namespace megamoe::kernels::sm90::detail {
+
+inline constexpr int kW4a8WsConsumers = 2;
+inline constexpr int kW4a8WsThreads = (1 + kW4a8WsConsumers) * w4a16::kThreadsPerWarpgroup;
+inline constexpr int kW4a8WsConsumerTokens = 128;  // each consumer's wgmma N
+
+// Shared memory: kStages stages of one 128-K block each, then the stages' barriers.
+//   B codes    (kBlockN tokens, 128) e4m3, one 128-byte swizzled row per token     [1024-aligned]
+//   A tiles    kMTiles x (64 rows, 128) e4m3 decoded by the producer, same swizzle  [1024-aligned]
+//   W codes    kMTiles x two 64-K chunks of 2048 bytes (the prepacked order)
+//   W scales   kMTiles x the two chunks' 256-byte scale tiles
+//   exponents  (kBlockN) int32: each token's block exponent (0 past the item's slots)
+//   addends    (4 producer warps) the decode's constant of the block's expert, per warp
+// Barriers per stage: full (128 producer arrivals: block copied and decoded), empty (256 consumer
+// arrivals: its wgmmas and exponent reads done).
+template <int kMTiles>
+struct W4a8WsLayout {
+  static_assert(kMTiles == 1 || kMTiles == 2, "an item is one (wide) or two (tall) 64-row tiles");
+  static constexpr int kBlockN = kW4a8WsConsumers * kW4a8WsConsumerTokens / kMTiles;
+  static constexpr int kBBytes = kBlockN * w4a8::kActBlock;
+  static constexpr int kATileBytes = w4a16::kTileM * w4a8::kActBlock;
+  static constexpr int kAOffset = kBBytes;
+  static constexpr int kWCodeOffset = kAOffset + kMTiles * kATileBytes;
+  static constexpr int kWCodeTileBytes = 2 * w4a16::kCodeBytesPerTile;
+  static constexpr int kWScaleOffset = kWCodeOffset + kMTiles * kWCodeTileBytes;
+  static constexpr int kWScaleTileBytes = 2 * w4a16::kScaleBytesPerTile;
+  static constexpr int kExpOffset = kWScaleOffset + kMTiles * kWScaleTileBytes;
+  static constexpr int kAddendOffset = kExpOffset + kBlockN * 4;
+  static constexpr int kStageBytes = (kAddendOffset + 16 + 1023) / 1024 * 1024;
+  // As many stages as fit beside nothing else (227 KB per CTA, one CTA per SM).
+  static constexpr int kStages = kMTiles == 2 ? 5 : 4;
+  // The copies run kCopyAhead blocks ahead of the decode, which runs about one ahead of the MMA:
+  // block j + kCopyAhead reuses the stage of block j - 2, normally released while the decode of
+  // block j runs (the consumers are on j - 1), so the producer does not wait on the MMA.
+  static constexpr int kCopyAhead = kStages - 2;
+  static constexpr int kBarrierOffset = kStages * kStageBytes;
+  static constexpr int kBytes = kBarrierOffset + 2 * kStages * 8;
+  static constexpr int kAllocBytes = kBytes + 1024;  // room to align the base to 1024 B
+  static_assert(kAllocBytes <= 227 * 1024, "the stages must fit one CTA's shared memory: use fewer kStages");
+  static_assert(kBBytes % 1024 == 0 && kAOffset % 1024 == 0 && kATileBytes % 1024 == 0,
+                "B and A tiles must be whole 1024-byte swizzle atoms");
+  static_assert(kBlockN * 8 % w4a16::kThreadsPerWarpgroup == 0, "the B pieces split evenly over the producer");
+
+  __device__ static uint32_t full_bar(uint32_t base, int s) { return base + kBarrierOffset + s * 8; }
+  __device__ static uint32_t empty_bar(uint32_t base, int s) { return base + kBarrierOffset + (kStages + s) * 8; }
+};
+
+}  // namespace megamoe::kernels::sm90::detail
