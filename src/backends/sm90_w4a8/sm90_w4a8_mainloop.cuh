@@ -138,9 +138,9 @@ __device__ __forceinline__ void w4a8_item_mainloop(const W4a8GemmParams& p, cons
   for (int kb = 0; kb < blocks; ++kb) {
     const int stage = kb % kStages;
     ptx::cp_async_wait<kStages - 2>();  // this thread's copies of block kb have landed
-    ptx::fence_proxy_async_shared();
     // Block kb is visible to every thread, and every thread has finished block kb - 1 (its
-    // wgmmas waited), whose stage the next copies refill.
+    // wgmmas waited), whose stage the next copies refill. No proxy fence, as in the W4A16
+    // mainloops: its MEMBAR.ALL.CTA would also wait for the copies of the blocks ahead.
     __syncthreads();
     const int next = kb + kStages - 1;
     if (next < blocks) {

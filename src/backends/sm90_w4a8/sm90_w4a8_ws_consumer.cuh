@@ -1,6 +1,6 @@
 // A consumer warpgroup of the warp-specialized W4A8 tile (sm90_w4a8_ws_layout.cuh): per 128-K
-// block, four m64n128k32 fp8 wgmmas from shared memory (its A tile, its 128 tokens' B rows) into a
-// partial P, then acc += P * 2^e per token (docs/w4a8.md §4), then the stage goes back to the
+// block, its decoded A fragments loaded from shared memory and four m64n128k32 fp8 wgmmas (B: its
+// 128 tokens' rows in shared memory) into a partial P, then acc += P * 2^e per token (docs/w4a8.md §4), then the stage goes back to the
 // producer; after the item's last block, the one-warpgroup tile's epilogue on its 64 x 128 part.
 #pragma once
 
@@ -17,12 +17,13 @@
 
 namespace megamoe::kernels::sm90::detail {
 
-// d = a . b (kAccumulate false: d's old values are not read) or d += a . b, both from shared memory.
+// d = a . b (kAccumulate false: d's old values are not read) or d += a . b; A from registers.
 template <bool kAccumulate, size_t... I>
-__device__ __forceinline__ void wgmma_e4m3_ss(uint64_t desc_a, uint64_t desc_b,
-                                              float (&d)[kW4a8WsConsumerTokens / 2], std::index_sequence<I...>) {
+__device__ __forceinline__ void wgmma_e4m3_rs(const uint4& a, uint64_t desc_b, float (&d)[kW4a8WsConsumerTokens / 2],
+                                              std::index_sequence<I...>) {
   using cute::SM90::GMMA::ScaleOut;
-  ptx::WgmmaSSE4m3<kW4a8WsConsumerTokens>::Op::fma(desc_a, desc_b, d[I]..., kAccumulate ? ScaleOut::One : ScaleOut::Zero);
+  ptx::WgmmaRSE4m3<kW4a8WsConsumerTokens>::Op::fma(a.x, a.y, a.z, a.w, desc_b, d[I]...,
+                                                   kAccumulate ? ScaleOut::One : ScaleOut::Zero);
 }
 
 // Consumer c (0 or 1) over the CTA's items (the producer's sequence). acc[4i + 2h + c'] is
@@ -35,7 +36,7 @@ __device__ __forceinline__ void w4a8_ws_consume(const W4a8GemmParams& p, uint8_t
   const int tid = static_cast<int>(threadIdx.x) % w4a16::kThreadsPerWarpgroup, t = tid % 4;
   const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   // Tall: this consumer's own A tile, all B rows. Wide: the one A tile, its half of the B rows.
-  const int a_offset = L::kAOffset + (kMTiles == 2 ? consumer * L::kATileBytes : 0);
+  const int a_offset = L::kAOffset + (kMTiles == 2 ? consumer * L::kATileBytes : 0) + tid * 16;
   const int b_offset = kMTiles == 1 ? consumer * kN * w4a8::kActBlock : 0;
   const int token0 = kMTiles == 1 ? consumer * kN : 0;
   int j = 0;
@@ -50,14 +51,19 @@ __device__ __forceinline__ void w4a8_ws_consume(const W4a8GemmParams& p, uint8_t
       const int s = j % kStages;
       ptx::mbarrier_wait(L::full_bar(base, s), (j / kStages) & 1);
       const uint8_t* st = smem + s * L::kStageBytes;
-      const uint64_t desc_a = ptx::make_sw128_desc(st + a_offset), desc_b = ptx::make_sw128_desc(st + b_offset);
+      uint4 a[4];
+      #pragma unroll
+      for (int f = 0; f < 4; ++f) {
+        a[f] = *reinterpret_cast<const uint4*>(st + a_offset + f * w4a16::kThreadsPerWarpgroup * 16);
+      }
+      const uint64_t desc_b = ptx::make_sw128_desc(st + b_offset);
       float part[kN / 2];
       ptx::wgmma_fence();
-      // k32 step f starts 32 bytes further into each swizzled row (16-byte units in the descriptors).
-      wgmma_e4m3_ss<false>(desc_a, desc_b, part, std::make_index_sequence<kN / 2>{});
+      // k32 step f starts 32 bytes further into each swizzled row (16-byte units in the descriptor).
+      wgmma_e4m3_rs<false>(a[0], desc_b, part, std::make_index_sequence<kN / 2>{});
       #pragma unroll
       for (int f = 1; f < 4; ++f) {
-        wgmma_e4m3_ss<true>(desc_a + 2 * f, desc_b + 2 * f, part, std::make_index_sequence<kN / 2>{});
+        wgmma_e4m3_rs<true>(a[f], desc_b + 2 * f, part, std::make_index_sequence<kN / 2>{});
       }
       ptx::wgmma_commit();
       ptx::wgmma_wait_all();

@@ -2,8 +2,8 @@
 // (L1 or L2) per launch over the W4A16 row's schedule (block_m_tiles = kMTiles, kBlockN tokens)
 // and prepacked weights. Its parts:
 //   sm90_w4a8_ws_layout.cuh    the item shapes, the stages and their barriers
-//   sm90_w4a8_ws_producer.cuh  warpgroup 0: copies and the decode into e4m3 A tiles
-//   sm90_w4a8_ws_consumer.cuh  warpgroups 1, 2: SS fp8 wgmmas, the promotion, the epilogue
+//   sm90_w4a8_ws_producer.cuh  warpgroup 0: copies and the decode into e4m3 A fragments
+//   sm90_w4a8_ws_consumer.cuh  warpgroups 1, 2: RS fp8 wgmmas, the promotion, the epilogue
 // One CTA per SM (the stages take the shared memory); the epilogues are the one-warpgroup tile's.
 #pragma once
 
@@ -28,7 +28,7 @@ __global__ void __launch_bounds__(detail::kW4a8WsThreads, 1) w4a8_ws_gemm_kernel
   if (threadIdx.x == 0) {
     #pragma unroll
     for (int s = 0; s < L::kStages; ++s) {
-      ptx::mbarrier_init(L::full_bar(base, s), w4a16::kThreadsPerWarpgroup);
+      ptx::mbarrier_init(L::full_bar(base, s), L::kFullArrivals);
       ptx::mbarrier_init(L::empty_bar(base, s), detail::kW4a8WsConsumers * w4a16::kThreadsPerWarpgroup);
     }
     ptx::fence_mbarrier_init();

@@ -1,8 +1,8 @@
 // The producer warpgroup of the warp-specialized W4A8 tile (sm90_w4a8_ws_layout.cuh): per 128-K
 // block of the CTA's items, cp.async copies of the tokens' codes and exponents and the weights'
 // prepacked words, kCopyAhead blocks ahead; then each thread decodes the words it copied
-// (decode_k32, the same fragment as the one-warpgroup tile's RS wgmma) and stores the four e4m3x4
-// registers into the swizzled A tile, where the consumers' SS wgmmas read them. Each warp copies
+// (decode_k32) into the four e4m3x4 A registers of the consumer thread with its index, and stores
+// them for that thread to load. Each warp copies
 // the scale bytes of its own rows, so the warps need no barrier among themselves.
 #pragma once
 
@@ -102,21 +102,17 @@ __device__ __forceinline__ void ws_copy_block(const W4a8GemmParams& p, const W4a
   }
 }
 
-// Decodes the weight words of the stage at `st` (this thread's copies, landed) into its A tiles:
-// fragment f of tile i (k positions 32 f ..) goes to rows r0 = 16 warp + g and r0 + 8, bytes 4t
-// of 16-byte chunks 2f (registers 0, 1) and 2f + 1 (2, 3), each chunk at chunk ^ (row % 8) = ^ g.
+// Decodes the weight words of the stage at `st` (this thread's copies, landed) into its A
+// fragments: step f of tile i is consumer thread tid's four registers (rows 16 warp + g and + 8,
+// decode_k32's order), one 16-byte store.
 template <int kMTiles>
 __device__ __forceinline__ void ws_decode_block(uint8_t* st, int tid) {
   using namespace w4a16;
   using L = W4a8WsLayout<kMTiles>;
-  const int warp = tid / 32, g = tid % 32 / 4, t = tid % 4;
+  const int warp = tid / 32, g = tid % 32 / 4;
   const uint32_t addend = *reinterpret_cast<const uint32_t*>(st + L::kAddendOffset + warp * 4);
-  const uint32_t st_s = static_cast<uint32_t>(__cvta_generic_to_shared(st));
-  const int r0 = warp * 16 + g;
   #pragma unroll
   for (int i = 0; i < kMTiles; ++i) {
-    const uint32_t a_row0 = st_s + L::kAOffset + i * L::kATileBytes + r0 * 128 + 4 * t;
-    const uint32_t a_row1 = a_row0 + 8 * 128;
     #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const uint4 q =
@@ -125,15 +121,10 @@ __device__ __forceinline__ void ws_decode_block(uint8_t* st, int tid) {
                                                        c * kScaleBytesPerTile + (warp * 8 + g) * 8);
       #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int f = 2 * c + h;
         uint32_t a[4];
         w4a8::decode_k32(h ? q.z : q.x, h ? q.w : q.y, h ? sc.y : sc.x, addend, a);
-        const uint32_t lo = ((2 * f) ^ g) * 16, hi = ((2 * f + 1) ^ g) * 16;
-        asm volatile(
-            "st.shared.u32 [%0], %4;\n st.shared.u32 [%1], %5;\n"
-            "st.shared.u32 [%2], %6;\n st.shared.u32 [%3], %7;\n"
-            :: "r"(a_row0 + lo), "r"(a_row1 + lo), "r"(a_row0 + hi), "r"(a_row1 + hi),
-               "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]) : "memory");
+        *reinterpret_cast<uint4*>(st + L::kAOffset + ((4 * i + 2 * c + h) * kThreadsPerWarpgroup + tid) * 16) =
+            make_uint4(a[0], a[1], a[2], a[3]);
       }
     }
   }
@@ -160,6 +151,8 @@ __device__ __forceinline__ void w4a8_ws_produce(const W4a8GemmParams& p, uint8_t
       const int s = copy_j % kStages;
       if (copy_j >= kStages) ptx::mbarrier_wait(L::empty_bar(base, s), (copy_j / kStages + 1) & 1);
       ws_copy_block<kIsL1, kMTiles>(p, it, copy_kb, K, base + s * L::kStageBytes, tid);
+      // The consumers' view of the B rows and exponents: this arrival fires once they have landed.
+      ptx::cp_async_mbarrier_arrive(L::full_bar(base, s));
       ++copy_j;
       if (++copy_kb == blocks) {
         copy_kb = 0;
@@ -177,9 +170,7 @@ __device__ __forceinline__ void w4a8_ws_produce(const W4a8GemmParams& p, uint8_t
     __syncwarp();                  // and its warp's scale bytes and addend
     const int s = j % kStages;
     ws_decode_block<kMTiles>(smem + s * L::kStageBytes, tid);
-    // The A tile (st.shared) and this thread's landed copies, to the consumers' wgmmas.
-    ptx::fence_proxy_async_shared();
-    ptx::mbarrier_arrive(L::full_bar(base, s));
+    ptx::mbarrier_arrive(L::full_bar(base, s));  // the A fragments, to the consumers' loads
   }
 }
 

@@ -1,6 +1,6 @@
 // fp8 wgmma (sm_90a) wrappers beside the bf16 ones (ptx_wgmma.cuh, whose fence / commit / wait
-// and descriptor these share): m64nNk32 e4m3 x e4m3 -> f32 with A from registers (four e4m3x4
-// registers, RS) or from shared memory (SS), B K-major in shared memory. A k32 step covers 32 bytes of each B row, as the bf16
+// and B descriptor these share): m64nNk32 e4m3 x e4m3 -> f32 with A from registers (four e4m3x4
+// registers), B K-major in shared memory. A k32 step covers 32 bytes of each B row, as the bf16
 // k16 step does, so the bf16 tiles' 128-byte swizzle and descriptor serve it unchanged.
 #pragma once
 
@@ -20,20 +20,5 @@ template <int N> struct WgmmaRSE4m3;  // defined for the N below: add one to ins
 MEGAMOE_WGMMA_RS_E4M3(32)
 MEGAMOE_WGMMA_RS_E4M3(128)
 #undef MEGAMOE_WGMMA_RS_E4M3
-
-// A K-major in shared memory with the same 128-byte swizzle: 64 rows of 128 e4m3 (one 128-K block).
-template <int N> struct WgmmaSSE4m3;
-#define MEGAMOE_WGMMA_SS_E4M3(N)                                                 \
-  template <> struct WgmmaSSE4m3<N> {                                            \
-    using Op = cute::SM90::GMMA::MMA_64x##N##x32_F32E4M3E4M3_SS_TN<>;            \
-  };
-MEGAMOE_WGMMA_SS_E4M3(128)
-#undef MEGAMOE_WGMMA_SS_E4M3
-
-// Makes this thread's generic-proxy writes to shared memory (st.shared, cp.async once waited for)
-// visible to the async proxy that wgmma reads B through; a CTA barrier after it publishes them.
-__device__ __forceinline__ void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
 
 }  // namespace megamoe::kernels::ptx
