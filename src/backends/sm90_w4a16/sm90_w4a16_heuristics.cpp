@@ -40,6 +40,7 @@ std::string GemmConfig::to_string() const {
 
 std::string MoeConfig::to_string() const {
   return "L1{" + l1.to_string() + "} L2{" + l2.to_string() + "}" + (fused ? " fused" : "") +
+         (fused_ctas_per_sm > 0 ? " ctas/SM=" + std::to_string(fused_ctas_per_sm) : "") +
          (early_start ? " early-start" : "");
 }
 
@@ -153,6 +154,7 @@ struct BalanceRow {
   WidthCutoffs l1, l2;
   PerK absorbing_from;  // tokens per expert from which the absorbing tile runs (absorbing_pays)
   PerK overlap_from;    // tokens per expert from which the 128-token tile overlaps its K loop
+  bool balance_fused_l1;  // fused_ctas_per_sm caps the fused launch's grid
 };
 
 // One row per measured balance, ascending; a device takes the last row at or below its balance.
@@ -162,11 +164,12 @@ struct BalanceRow {
 //   docs/perf/2026-11-29-h200-w4a16-v36.md: there the SMs, not DRAM, bound the middle batches, and
 //   the tiles that spend fewer SM instructions per weight pay from fewer tokens per expert: the
 //   two-warpgroup 128-token tile from 40 (not 48), the absorbing tile from 96 at long K (not
-//   256), the overlapped K loop from 96 at short K (not 256).
+//   256), the overlapped K loop from 96 at short K (not 256); and the fused launch's grid capped at
+//   L1's share per SM (docs/perf/2026-11-29-h200-w4a16-v39.md; not measured on the H100).
 // The boundary, 15, lies between the two devices' balances.
 inline constexpr BalanceRow kBalanceRows[] = {
-    {0.0, {16, 24, 40, 48}, {16, 24, 40, 48}, {256, 256}, {256, 256}},
-    {15.0, {16, 24, 40, 40}, {16, 24, 40, 40}, {96, 256}, {256, 96}},
+    {0.0, {16, 24, 40, 48}, {16, 24, 40, 48}, {256, 256}, {256, 256}, false},
+    {15.0, {16, 24, 40, 40}, {16, 24, 40, 40}, {96, 256}, {256, 96}, true},
 };
 
 const BalanceRow& balance_row(const DeviceFigures& device) {
@@ -239,6 +242,23 @@ bool fuse_decode32(const MoeProblem& problem, int num_sms, const MoeConfig& cfg,
   return waves >= 0.6 && waves <= 4.8;
 }
 
+// The block scheduler hands a grid's CTAs to the GPCs in turn, so a GPC with fewer SMs fills its
+// SMs first: with the full occupancy (six CTAs per SM on the 16-token tile), L1's first wave, the
+// lowest CTA indices, put six L1 items on each SM of the smallest GPC and three or four on the
+// others, and since every expert's L2 waits for all its L1 tiles, the layer waited for those
+// SMs (DeepSeek-V3 routed T = 1 on the H200: L1 ended at 41 us on SMs with four items, 62 us on
+// the seven with six; docs/perf/2026-11-29-h200-w4a16-v34.md, v39). A grid of L1's items per
+// SM, rounded up, caps every SM at that many; the L2 items follow on the CTAs L1 frees.
+int fused_ctas_per_sm(const MoeProblem& problem, int num_sms, const MoeConfig& cfg, DecodeTileCounts& tiles,
+                      const DeviceFigures& device) {
+  if (!cfg.fused || num_sms <= 0 || !balance_row(device).balance_fused_l1) return 0;
+  const bool tile16 = cfg.l1.block_n == kFusedTile.block_n;
+  const int occupancy = tile16 ? kFusedTileCtasPerSm : kFusedTile32CtasPerSm;
+  const double items = (tile16 ? tiles.tiles16() : tiles.tiles32()) * static_cast<double>(2 * problem.intermediate_size / 64);
+  const int share = static_cast<int>(std::ceil(items / num_sms - 1e-9));
+  return share >= 1 && share < occupancy ? share : 0;
+}
+
 // Two K slices for L2 (adding into the fp32 accumulator, so not with the fixed-order combine):
 // - one token: L2 has only (k + shared) * H/64 tiles, fewer than two per CTA slot, so slices give
 //   the CTAs twice as many, shorter, items;
@@ -296,6 +316,7 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   cfg.fused = heuristic::fuse_decode16(problem, num_sms, cfg, tiles);
   heuristic::widen_unfused_decode(cfg, tiles);
   if (!cfg.fused) cfg.fused = heuristic::fuse_decode32(problem, num_sms, cfg, tiles);
+  cfg.fused_ctas_per_sm = heuristic::fused_ctas_per_sm(problem, num_sms, cfg, tiles, device);
   cfg.l2.k_splits = heuristic::l2_k_splits(problem, tokens);
   // A tiny batch's L1 CTAs start their first items while the dispatch kernel runs: the dispatch
   // (one CTA) and the hand-off leave the critical path (sm90_w4a16_scheduler.cuh, early start).

@@ -17,6 +17,9 @@ struct MoeConfig {
   GemmConfig l2;             // a · W2ᵀ + combine
   bool fused = false;        // L1 and L2 in one persistent launch (needs can_fuse)
   bool early_start = false;  // L1's first items start before the dispatch completes (tiny T)
+  // The fused launch's CTAs per SM where fewer than the tile's occupancy (0: the occupancy), so
+  // that no SM holds more than its share of L1's first wave (heuristic::fused_ctas_per_sm).
+  int fused_ctas_per_sm = 0;
   std::string to_string() const;
   // Whether both GEMMs run the same tile (K slices aside) and that tile has a fused kernel
   // (kFusedTile or kFusedTile32), so that they may run fused.
@@ -77,6 +80,10 @@ bool fuse_decode16(const MoeProblem& problem, int num_sms, const MoeConfig& cfg,
 void widen_unfused_decode(MoeConfig& cfg, DecodeTileCounts& tiles);
 // Whether the 32-token tile's GEMMs run as one launch.
 bool fuse_decode32(const MoeProblem& problem, int num_sms, const MoeConfig& cfg, DecodeTileCounts& tiles);
+// The fused launch's CTAs per SM (0: the tile's occupancy): L1's expected items per SM, rounded
+// up, where that is below the occupancy and the device's row asks for it.
+int fused_ctas_per_sm(const MoeProblem& problem, int num_sms, const MoeConfig& cfg, DecodeTileCounts& tiles,
+                      const DeviceFigures& device);
 // L2's K slices (1 or 2).
 int l2_k_splits(const MoeProblem& problem, int64_t tokens);
 // Whether the absorbing tile pays in both GEMMs (prefill tiles, a common short remainder).

@@ -66,7 +66,8 @@ void launch_w4a16_tile(const kernels::sm90::W4a16GemmParams& params, const GemmG
 template <int kTile>
 void launch_w4a16_fused_tile(const kernels::sm90::W4a16FusedParams& params, const GemmGrid& grid) {
   using K = w4a16_detail::FusedKernel<kTile>;
-  const int blocks_per_sm = w4a16_fused_blocks_per_sm<kTile>();
+  const int occupancy = w4a16_fused_blocks_per_sm<kTile>();
+  const int blocks_per_sm = grid.ctas_per_sm > 0 ? std::min(grid.ctas_per_sm, occupancy) : occupancy;
   // Every CTA must be resident at once (L2 items wait for L1 items held by other CTAs): the grid
   // never exceeds the occupancy of all the device's SMs (see MoeTuning::fused for the limits).
   const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(int64_t{grid.num_sms} * blocks_per_sm, grid.max_work));

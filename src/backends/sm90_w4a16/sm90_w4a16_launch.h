@@ -18,6 +18,7 @@ struct GemmGrid {
   int num_sms = 0;
   int64_t max_work = 0;  // upper bound of the work items (the grid never exceeds it)
   cudaStream_t stream = nullptr;
+  int ctas_per_sm = 0;  // fewer CTAs per SM than the kernel's occupancy (0: the occupancy)
 };
 
 // One GEMM (L1 when kIsL1, else L2) on the tile of `c`. Throws megamoe::Error(kInternal) where no

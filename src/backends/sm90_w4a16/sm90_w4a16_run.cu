@@ -152,7 +152,7 @@ void run_sm90_w4a16(const MoePlan& plan, const Sm90PrepackedWeights& w, const Mo
       // catch a broken invariant.
       f.gate.timeout_ns = 2 * gated->gate.failure.timeout_ns + 1000000000ull;
     }
-    launch_w4a16_fused(cfg, f, {plan.num_sms(), l1_work + l2_work, stream});
+    launch_w4a16_fused(cfg, f, {plan.num_sms(), l1_work + l2_work, stream, cfg.fused_ctas_per_sm});
   } else {
     launch_w4a16_gemm<true>(cfg.l1, g1, {plan.num_sms(), l1_work, stream});
     launch_w4a16_gemm<false>(cfg.l2, g2, {plan.num_sms(), l2_work, stream});

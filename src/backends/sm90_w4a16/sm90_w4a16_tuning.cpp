@@ -99,6 +99,7 @@ MoeConfig tuned_moe_config(const MoeProblem& problem, int64_t tokens, int num_sm
     cfg.early_start = false;
   }
   if (tuning.early_start) cfg.early_start = *tuning.early_start;
+  cfg.fused_ctas_per_sm = heuristic::fused_ctas_per_sm(problem, num_sms, cfg, tiles, device);
   return cfg;
 }
 
