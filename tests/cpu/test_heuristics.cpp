@@ -143,11 +143,14 @@ TEST(Heuristics, H200FiguresTakeTheTilesMeasuredThere) {
           << "T=" << Ts[i] << " " << device.dram_bytes_per_s;
     }
   }
-  // Decode (T <= 64 here) is the H100's at every T: only the prefill thresholds moved.
+  // Decode (T <= 64 here) takes the H100's tiles and launches at every T: only the prefill
+  // thresholds and the fused grid's cap (H200FusedGridHoldsL1SharePerSm) moved.
   for (const MoeProblem& p : {deepseek_v3(), routed_only(deepseek_v3()), qwen3_30b()}) {
     for (int64_t T : {1, 2, 4, 8, 16, 32, 64, 128}) {
       for (int sms : {78, 132}) {
-        EXPECT_EQ(h200_config(p, T, sms).to_string(), h100_config(p, T, sms).to_string()) << "T=" << T;
+        MoeConfig h200 = h200_config(p, T, sms);
+        h200.fused_ctas_per_sm = 0;
+        EXPECT_EQ(h200.to_string(), h100_config(p, T, sms).to_string()) << "T=" << T;
       }
     }
   }
@@ -291,6 +294,32 @@ TEST(Heuristics, DecodeFusesTheGemmsWhenL1EndsInAPartialWave) {
   EXPECT_FALSE(h100_config(dsv3, 4096, sms).fused);
   // Fewer SMs: the same items make more waves.
   EXPECT_FALSE(h100_config(dsv3, 4, 60).fused);
+}
+
+// On the H200 the fused launch's grid holds L1's items per SM, rounded up, from four to below the
+// tile's occupancy (docs/perf/2026-11-29-h200-w4a16-v39.md): DeepSeek-V3 routed T = 1 has 512 L1
+// items (3.9 per SM), the whole layer 576 (4.4); from T = 2 they fill the occupancy, and a forced
+// fused Qwen3-30B-A3B T = 1 (1.5 per SM) keeps it. The H100 row keeps the occupancy.
+TEST(Heuristics, H200FusedGridHoldsL1SharePerSm) {
+  const MoeProblem dsv3 = deepseek_v3(), qwen3 = qwen3_30b();
+  MoeProblem routed = dsv3;
+  routed.shared_intermediate_size = 0;
+  EXPECT_EQ(h200_config(routed, 1).fused_ctas_per_sm, 4);
+  EXPECT_NE(h200_config(routed, 1).to_string().find(" ctas/SM=4"), std::string::npos);
+  EXPECT_EQ(h200_config(dsv3, 1).fused_ctas_per_sm, 5);
+  EXPECT_EQ(choose_moe_config(routed, 1, 132, kH200Copy).fused_ctas_per_sm, 4);
+  for (int64_t T : {2, 3, 4}) {
+    EXPECT_TRUE(h200_config(routed, T).fused) << T;
+    EXPECT_EQ(h200_config(routed, T).fused_ctas_per_sm, 0) << T;
+  }
+  EXPECT_EQ(tuned_moe_config(qwen3, 1, 132, kH200, fused(true)).fused_ctas_per_sm, 0);  // 2 per SM
+  EXPECT_EQ(tuned_moe_config(qwen3, 2, 132, kH200, fused(true)).fused_ctas_per_sm, 0);  // 3 per SM
+  EXPECT_EQ(tuned_moe_config(routed, 1, 132, kH200, MoeTuning{}).fused_ctas_per_sm, 4);
+  EXPECT_EQ(tuned_moe_config(routed, 1, 132, kH200, fused(false)).fused_ctas_per_sm, 0);  // two launches
+  for (int64_t T : {1, 2, 4, 16, 64, 256}) {
+    EXPECT_EQ(h100_config(routed, T).fused_ctas_per_sm, 0) << T;
+    EXPECT_EQ(h100_config(dsv3, T).fused_ctas_per_sm, 0) << T;
+  }
 }
 
 TEST(Heuristics, OnlyTheDecodeTilesFuse) {

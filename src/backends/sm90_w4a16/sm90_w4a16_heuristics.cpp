@@ -247,16 +247,22 @@ bool fuse_decode32(const MoeProblem& problem, int num_sms, const MoeConfig& cfg,
 // lowest CTA indices, put six L1 items on each SM of the smallest GPC and three or four on the
 // others, and since every expert's L2 waits for all its L1 tiles, the layer waited for those
 // SMs (DeepSeek-V3 routed T = 1 on the H200: L1 ended at 41 us on SMs with four items, 62 us on
-// the seven with six; docs/perf/2026-11-29-h200-w4a16-v34.md, v39). A grid of L1's items per
-// SM, rounded up, caps every SM at that many; the L2 items follow on the CTAs L1 frees.
+// the seven with six; docs/perf/2026-11-29-h200-w4a16-v34.md). A grid of L1's items per SM,
+// rounded up, caps every SM at that many; the L2 items follow on the CTAs L1 frees (DeepSeek-V3
+// routed T = 1: 78.4 -> 71.5 us at four, 73.1 at five; docs/perf/2026-11-29-h200-w4a16-v39.md).
+// Only from four: with fewer L1 items per SM the CTAs past them start L2 items at once
+// (prefetching their weights, starting as their experts' L1 ends), which pays more than the
+// balance (Qwen3-30B-A3B forced fused, T = 1 at two per SM: 24.0 capped against 22.6 us; T = 2 at
+// three: 27.5 against 27.0-27.3).
 int fused_ctas_per_sm(const MoeProblem& problem, int num_sms, const MoeConfig& cfg, DecodeTileCounts& tiles,
                       const DeviceFigures& device) {
+  constexpr int kMinShare = 4;
   if (!cfg.fused || num_sms <= 0 || !balance_row(device).balance_fused_l1) return 0;
   const bool tile16 = cfg.l1.block_n == kFusedTile.block_n;
   const int occupancy = tile16 ? kFusedTileCtasPerSm : kFusedTile32CtasPerSm;
   const double items = (tile16 ? tiles.tiles16() : tiles.tiles32()) * static_cast<double>(2 * problem.intermediate_size / 64);
   const int share = static_cast<int>(std::ceil(items / num_sms - 1e-9));
-  return share >= 1 && share < occupancy ? share : 0;
+  return share >= kMinShare && share < occupancy ? share : 0;
 }
 
 // Two K slices for L2 (adding into the fp32 accumulator, so not with the fixed-order combine):

@@ -81,7 +81,7 @@ void widen_unfused_decode(MoeConfig& cfg, DecodeTileCounts& tiles);
 // Whether the 32-token tile's GEMMs run as one launch.
 bool fuse_decode32(const MoeProblem& problem, int num_sms, const MoeConfig& cfg, DecodeTileCounts& tiles);
 // The fused launch's CTAs per SM (0: the tile's occupancy): L1's expected items per SM, rounded
-// up, where that is below the occupancy and the device's row asks for it.
+// up, where that is from 4 to below the occupancy and the device's row asks for it.
 int fused_ctas_per_sm(const MoeProblem& problem, int num_sms, const MoeConfig& cfg, DecodeTileCounts& tiles,
                       const DeviceFigures& device);
 // L2's K slices (1 or 2).
