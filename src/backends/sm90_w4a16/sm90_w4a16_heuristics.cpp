@@ -248,7 +248,8 @@ bool fuse_decode32(const MoeProblem& problem, int num_sms, const MoeConfig& cfg,
 // others, and since every expert's L2 waits for all its L1 tiles, the layer waited for those
 // SMs (DeepSeek-V3 routed T = 1 on the H200: L1 ended at 41 us on SMs with four items, 62 us on
 // the seven with six; docs/perf/2026-11-29-h200-w4a16-v34.md). A grid of L1's items per SM,
-// rounded up, caps every SM at that many; the L2 items follow on the CTAs L1 frees (DeepSeek-V3
+// rounded up, below the occupancy is spread evenly (v34's grids of that kind held at most that
+// many CTAs on any SM); the L2 items follow on the CTAs L1 frees (DeepSeek-V3
 // routed T = 1: 78.4 -> 71.5 us at four, 73.1 at five; docs/perf/2026-11-29-h200-w4a16-v39.md).
 // Only from four: with fewer L1 items per SM the CTAs past them start L2 items at once
 // (prefetching their weights, starting as their experts' L1 ends), which pays more than the
