@@ -521,10 +521,9 @@ TEST(BackendTable, W4a8TilesFollowTheHeuristicOrTheTuning) {
   using runtime::kW4a8Tiles;
   const runtime::W4a8Config decode = runtime::w4a8_heuristic(qwen3_30b(), 1);
   EXPECT_STREQ(kW4a8Tiles[decode.l1].name, "fp8_narrow32");
-  EXPECT_STREQ(kW4a8Tiles[runtime::w4a8_heuristic(deepseek_v3(), 4096).l1].name, "fp8_tall128");  // 128 per expert
-  const runtime::W4a8Config prefill = runtime::w4a8_heuristic(qwen3_30b(), 16384);            // 1024 per expert
-  EXPECT_STREQ(kW4a8Tiles[prefill.l1].name, "fp8_wide256");
-  EXPECT_STREQ(kW4a8Tiles[prefill.l2].name, "fp8_wide256");
+  const runtime::W4a8Config prefill = runtime::w4a8_heuristic(qwen3_30b(), 16384);  // 1024 per expert
+  EXPECT_STREQ(kW4a8Tiles[prefill.l1].name, "fp8_single128");
+  EXPECT_STREQ(kW4a8Tiles[prefill.l2].name, "fp8_single128");
   for (const runtime::W4a8Tile& t : kW4a8Tiles) {
     EXPECT_EQ(t.block_m_tiles * 64 * t.block_n, t.warp_specialized ? 128 * 128 : 64 * t.block_n) << t.name;
   }

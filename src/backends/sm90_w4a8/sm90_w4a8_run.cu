@@ -58,10 +58,11 @@ std::string W4a8Config::to_string() const {
 }
 
 W4a8Config w4a8_heuristic(const MoeProblem& p, int64_t tokens) {
-  // Slots per routed expert under uniform routing: up to 32 the narrow tile wastes less MMA; from
-  // 192 the wide tile's half decode per MAC outweighs its padding to 256.
+  // Slots per routed expert under uniform routing: up to 32 the narrow tile wastes less MMA. The
+  // warp-specialized tiles are not faster than the one-warpgroup 128-token tile on the H200 yet
+  // (docs/perf/2026-11-29-h200-w4a8-v40.md), so the heuristic does not pick them.
   const double per_expert = static_cast<double>(tokens) * p.top_k / static_cast<double>(p.num_experts);
-  const int tile = per_expert <= 32.0 ? kW4a8TileNarrow32 : per_expert < 192.0 ? kW4a8TileTall128 : kW4a8TileWide256;
+  const int tile = per_expert <= 32.0 ? kW4a8TileNarrow32 : kW4a8TileSingle128;
   return {tile, tile};
 }
 
