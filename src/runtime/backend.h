@@ -90,6 +90,9 @@ class MoeBackend {
   // Whether kAuto should run this row at T tokens. Rows are asked in the table's order; the
   // exact row of an architecture comes last and always accepts.
   virtual bool auto_accepts(const MoeProblem& problem, int64_t tokens) const = 0;
+  // Whether auto_accepts may hold for some T of `problem`. kAuto leaves out a row that never
+  // takes any, so that its plans hold neither that row's workspace nor its kernels.
+  virtual bool auto_may_accept(const MoeProblem& problem) const = 0;
 
   // Throws megamoe::Error(kUnsupported / kInvalidArgument) naming what the row's kernels cannot
   // run (the arch-neutral checks, validate_problem_common, have passed).

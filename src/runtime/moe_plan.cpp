@@ -60,7 +60,7 @@ std::vector<const MoeBackend*> resolve_backends(const MoeProblem& p, Arch arch, 
     rows.front()->validate(p);
     return rows;
   }
-  // kAuto keeps the lossy rows that can run the problem; the exact row must.
+  // kAuto keeps the lossy rows that can run the problem and may take some T; the exact row must.
   std::vector<const MoeBackend*> usable;
   for (const MoeBackend* row : rows) {
     if (row->precision() == Precision::kW4a16) {
@@ -68,6 +68,7 @@ std::vector<const MoeBackend*> resolve_backends(const MoeProblem& p, Arch arch, 
       usable.push_back(row);
       continue;
     }
+    if (!row->auto_may_accept(p)) continue;
     try {
       row->validate(p);
     } catch (const Error&) {

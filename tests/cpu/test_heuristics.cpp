@@ -451,9 +451,9 @@ TEST(TileTable, NamesFindTheirEntries) {
 }
 
 // The precision is resolved once, at plan time, into backend rows (runtime::resolve_backends).
-// sm_90 has two rows, w4a8 (asked first by auto) and w4a16. auto keeps w4a8 where it can run and
-// still takes w4a16 at every T (w4a8's auto_accepts is false until measured); another
-// architecture is refused.
+// sm_90 has two rows, w4a8 (asked first by auto) and w4a16. auto leaves w4a8 out, so that its plans
+// hold only w4a16's workspace and kernels: w4a8 may take no T (auto_may_accept and auto_accepts
+// are false until it is measured faster); another architecture is refused.
 TEST(BackendTable, PrecisionResolvesToTheBuiltRows) {
   ASSERT_NE(runtime::find_backend(90, Precision::kW4a16), nullptr);
   ASSERT_NE(runtime::find_backend(90, Precision::kW4a8), nullptr);
@@ -469,13 +469,17 @@ TEST(BackendTable, PrecisionResolvesToTheBuiltRows) {
     ASSERT_EQ(exact_rows.size(), 1u);
     EXPECT_EQ(exact_rows[0]->name(), "w4a16/sm_90");
     const auto auto_rows = runtime::resolve_backends(automatic, 90);
-    ASSERT_EQ(auto_rows.size(), 2u);
-    EXPECT_EQ(auto_rows[0]->name(), "w4a8/sm_90");
-    EXPECT_EQ(auto_rows.back()->name(), "w4a16/sm_90");
+    ASSERT_EQ(auto_rows.size(), 1u);
+    EXPECT_EQ(auto_rows[0]->name(), "w4a16/sm_90");
+    const runtime::MoeBackend& w4a8_row = *runtime::find_backend(90, Precision::kW4a8);
+    EXPECT_FALSE(w4a8_row.auto_may_accept(automatic));
+    EXPECT_TRUE(auto_rows[0]->auto_may_accept(automatic));
     for (const int64_t T : {1, 17, 128, 1000, 4096, 16384}) {
-      EXPECT_TRUE(auto_rows.back()->auto_accepts(automatic, T));
-      EXPECT_FALSE(runtime::find_backend(90, Precision::kW4a8)->auto_accepts(automatic, T));
+      EXPECT_TRUE(auto_rows[0]->auto_accepts(automatic, T));
+      EXPECT_FALSE(w4a8_row.auto_accepts(automatic, T));
     }
+    // An auto plan's workspace is the exact row's, not w4a8's larger one.
+    EXPECT_LT(auto_rows[0]->workspace_bytes(automatic), w4a8_row.workspace_bytes(automatic));
     const auto rows = runtime::resolve_backends(w4a8, 90);
     ASSERT_EQ(rows.size(), 1u);
     EXPECT_EQ(rows[0]->name(), "w4a8/sm_90");

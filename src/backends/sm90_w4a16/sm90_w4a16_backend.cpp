@@ -18,6 +18,7 @@ class Sm90W4a16Backend final : public Sm90PrepackedBackend {
   Precision precision() const override { return Precision::kW4a16; }
   // The exact row: kAuto's last resort at every T.
   bool auto_accepts(const MoeProblem&, int64_t) const override { return true; }
+  bool auto_may_accept(const MoeProblem&) const override { return true; }
   void validate(const MoeProblem& problem) const override { validate_sm90_problem(problem); }
   size_t workspace_bytes(const MoeProblem& problem) const override { return workspace_layout(problem).total; }
   std::string describe_config(const MoePlan& plan, int64_t tokens) const override {

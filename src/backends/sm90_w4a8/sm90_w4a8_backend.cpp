@@ -18,6 +18,8 @@ class Sm90W4a8Backend final : public Sm90PrepackedBackend {
   Precision precision() const override { return Precision::kW4a8; }
   // auto stays exact: this kernel is slower than W4A16 at every T (docs/perf/2026-11-29-h200-w4a8-v37.md).
   bool auto_accepts(const MoeProblem&, int64_t) const override { return false; }
+  // So auto plans do not hold this row's larger workspace (the fp32 SwiGLU output and the codes).
+  bool auto_may_accept(const MoeProblem&) const override { return false; }
   void validate(const MoeProblem& problem) const override {
     validate_sm90_w4a8_problem(problem);
   }
