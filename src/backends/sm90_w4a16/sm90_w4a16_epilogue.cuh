@@ -1,7 +1,8 @@
 // Epilogues of the sm90 W4A16 grouped GEMM, on one warpgroup's (64, BLOCK_N) fp32 accumulators
 // (store_tile picks one by GEMM and tile):
 //   L1: global scales of gate and up, optional clamp, SwiGLU, one bf16 rounding -> act[slot, I]
-//       (swiglu_to_act_direct, swiglu_to_act_staged);
+//       (swiglu_to_act_direct, swiglu_to_act_staged); split in K, the tile's last-arriving item
+//       first adds the slices' sums (sum_k_slices);
 //   L2: global scale, routing weight -> atomically added to the fp32 combine accumulator [T, H]
 //       (add_weighted_direct), or (deterministic) stored per slot for the fixed-order combine
 //       kernel (store_slots_direct); combine_staged does either through shared memory.
@@ -12,6 +13,7 @@
 #include <cstdint>
 
 #include "kernels/common/ptx_atomics.cuh"
+#include "backends/sm90_w4a16/sm90_w4a16_l1_split.h"
 #include "backends/sm90_w4a16/sm90_w4a16_layout.h"
 #include "backends/sm90_w4a16/sm90_w4a16_params.cuh"
 #include "backends/sm90_w4a16/sm90_w4a16_scheduler.cuh"
@@ -95,6 +97,55 @@ __device__ __forceinline__ void swiglu_to_act_direct(const W4a16GemmParams& p, c
     p.act[static_cast<int64_t>(slot) * p.act_ld + col_j] =
         swiglu_bf16(acc[j_gate], acc[j_up], s2_gate, s2_up, p.swiglu_limit);
   });
+}
+
+// L1 split in K, one warpgroup (sm90_w4a16_l1_split.h): stores this item's sums of its valid
+// columns in its slice of the partial buffer and counts the item on its tile's arrival counter.
+// Returns true in the tile's last-arriving item, whose acc then holds, in every valid column, the
+// slices' sums added in slice order: (((s0 + s1) + s2) + s3), its own slice from registers, the
+// others from the L2 cache (another SM wrote them). The same order whichever item arrives last, so
+// the sum is bitwise the same from run to run; the products and their count are those of the
+// unsplit item, only the order of the fp32 additions differs (docs/design.md §2). The hand-off is
+// the fused kernel's L1 -> L2 one (ptx_atomics.cuh): stores, a CTA barrier, one thread's acq_rel
+// add; that thread's acquire, a CTA barrier, the reads. The counters are zeroed by the dispatch,
+// which has completed here: the caller waited for it before the epilogue (after_mainloop).
+template <int kBlockN>
+__device__ __forceinline__ bool sum_k_slices(const W4a16GemmParams& p, float (&acc)[kBlockN / 2], const WorkItem& w,
+                                             int m_tile, int warp, int g, int t) {
+  using namespace w4a16;
+  __shared__ int last_shared;
+  const int64_t rows = static_cast<int64_t>(p.m_tiles) * kTileM;
+  const int64_t row0 = static_cast<int64_t>(m_tile) * kTileM + warp * 16 + g;
+  for_each_valid_column<kBlockN>(w, t, [&](int slot, int j0, int j1) {
+    float* q = p.l1_partial + w4a16_split::partial_offset(w.k_split, p.l1_partial_slice, slot, rows, row0);
+    q[0] = acc[j0];
+    q[8] = acc[j1];
+  });
+  __syncthreads();  // every thread's sums stored before the arrival
+  if (threadIdx.x == 0) {
+    int32_t before;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n"
+                 : "=r"(before)
+                 : "l"(p.l1_arrivals + w4a16_split::arrival_index(w.slot_begin, m_tile, p.m_tiles))
+                 : "memory");
+    last_shared = before == p.k_splits - 1;
+  }
+  __syncthreads();  // last_shared; in the last item, every other item's sums visible from here on
+  if (!last_shared) return false;
+  for_each_valid_column<kBlockN>(w, t, [&](int slot, int j0, int j1) {
+    const float* q = p.l1_partial + w4a16_split::partial_offset(0, p.l1_partial_slice, slot, rows, row0);
+    float sum0 = 0.0f, sum1 = 0.0f;
+    for (int k = 0; k < p.k_splits; ++k) {
+      const bool mine = k == w.k_split;
+      const float a0 = mine ? acc[j0] : __ldcg(q + k * p.l1_partial_slice);
+      const float a1 = mine ? acc[j1] : __ldcg(q + k * p.l1_partial_slice + 8);
+      sum0 = k == 0 ? a0 : sum0 + a0;
+      sum1 = k == 0 ? a1 : sum1 + a1;
+    }
+    acc[j0] = sum0;
+    acc[j1] = sum1;
+  });
+  return true;
 }
 
 // L1, two or more warpgroups: SwiGLU into act through shared memory, per warp. A warp's gate / up
@@ -276,12 +327,17 @@ __device__ __forceinline__ void combine_staged(const W4a16GemmParams& p, const f
 // The epilogue of one warpgroup's (64, BLOCK_N) tile m_tile, r0 = 16 * warp + g: L1's SwiGLU or
 // L2's combine, element by element on the one-warpgroup tiles, staged in shared memory on the
 // others (staging_smem: Smem::kStagingOffset; kOwnStaging, table_token, table_weight: see
-// combine_staged).
-template <bool kIsL1, int kWarpgroups, int kBlockN, bool kOwnStaging = false>
-__device__ __forceinline__ void store_tile(const W4a16GemmParams& p, const float (&acc)[kBlockN / 2],
+// combine_staged). kL1Split: L1 split in K (one warpgroup): only the tile's last-arriving item
+// runs the SwiGLU, on the slices' sums (sum_k_slices).
+template <bool kIsL1, int kWarpgroups, int kBlockN, bool kOwnStaging = false, bool kL1Split = false>
+__device__ __forceinline__ void store_tile(const W4a16GemmParams& p, float (&acc)[kBlockN / 2],
                                            const WorkItem& w, int m_tile, int warp, int g, int t, uint8_t* staging_smem,
                                            const int32_t* table_token = nullptr, const float* table_weight = nullptr) {
+  static_assert(!kL1Split || (kIsL1 && kWarpgroups == 1), "L1 splits K on the one-warpgroup tiles only");
   if constexpr (kIsL1 && kWarpgroups == 1) {
+    if constexpr (kL1Split) {
+      if (!sum_k_slices<kBlockN>(p, acc, w, m_tile, warp, g, t)) return;
+    }
     swiglu_to_act_direct<kBlockN>(p, acc, w, m_tile, warp, g, t);
   } else if constexpr (kIsL1) {
     swiglu_to_act_staged<kBlockN, kOwnStaging>(p, acc, w, m_tile, warp, g, t, staging_smem);

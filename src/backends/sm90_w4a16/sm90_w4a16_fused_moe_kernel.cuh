@@ -22,7 +22,11 @@ namespace megamoe::kernels::sm90 {
 // index order by running CTAs (the first gridDim.x by blockIdx, and the grid never exceeds what
 // is resident at once), an L2 item only waits on items of smaller index, and L1 items wait on
 // nothing but the dispatch kernel (early start), which was running before this grid launched.
-template <int kWarpgroups, int kBlockN, int kStages, int kMinBlocksPerSm>
+// kL1Split: L1 split in K (p.l1.k_splits slices, sm90_w4a16_l1_split.h). Its items wait on nothing
+// either: the tile's last-arriving item runs the SwiGLU, none waits for another. Every L1 item,
+// last or not, counts on l1_tiles_done after its stores, so an expert's count is complete only
+// once every last arriver has written act.
+template <int kWarpgroups, int kBlockN, int kStages, int kMinBlocksPerSm, bool kL1Split = false>
 __global__ void __launch_bounds__(kWarpgroups * w4a16::kThreadsPerWarpgroup, kMinBlocksPerSm)
 w4a16_fused_moe_kernel(const W4a16FusedParams p) {
   uint8_t* smem = detail::aligned_dynamic_smem();
@@ -45,9 +49,9 @@ w4a16_fused_moe_kernel(const W4a16FusedParams p) {
   // wait for every CTA's first mainloop. The host's invariant: past it, L2 items could hang.
   if (early_start && zeroes) __trap();
   if (early_start && p.gate.published != nullptr) {
-    detail::early_schedule_gated<kWarpgroups, kBlockN>(p.l1, p.l2, p.gate, early);
+    detail::early_schedule_gated<kWarpgroups, kBlockN, kL1Split>(p.l1, p.l2, p.gate, early);
   } else if (early_start) {
-    detail::early_schedule<kWarpgroups, kBlockN>(p.l1, p.l2.m_tiles, p.l2.k_splits, early);
+    detail::early_schedule<kWarpgroups, kBlockN, kL1Split>(p.l1, p.l2.m_tiles, p.l2.k_splits, early);
   } else if (tid == 0) {
     detail::prefetch_guessed_item<kWarpgroups, kBlockN, kStages>(p.l1, blockIdx.x);
   }
@@ -81,7 +85,7 @@ w4a16_fused_moe_kernel(const W4a16FusedParams p) {
                                      : detail::decode_work<kBlockN>(p.l1, work, l1_work);
       expert = w.expert;
       MEGAMOE_W4A16_TIMELINE_ITEM(true, kWarpgroups, kBlockN, p.l1, w, work);
-      detail::gemm_item<true, kWarpgroups, kBlockN, kStages>(p.l1, w, smem, claim);
+      detail::gemm_item<true, kWarpgroups, kBlockN, kStages, kL1Split>(p.l1, w, smem, claim);
     } else {
       grid_dependency_wait();  // early start: a CTA's first item may be an L2 item
       const detail::WorkItem w = detail::decode_work<kBlockN>(p.l2, work - l1_work, work_bounds[1] - l1_work);

@@ -53,10 +53,14 @@
 namespace megamoe::kernels::sm90 {
 
 // kOverlapped: the items run the overlapped K loop (gemm_item_overlapped), else gemm_item's.
-template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, int kMinBlocksPerSm, bool kOverlapped>
+// kL1Split: L1 split in K (p.k_splits slices, sm90_w4a16_l1_split.h), a kernel of its own so that
+// the unsplit kernels' code stays what it was.
+template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, int kMinBlocksPerSm, bool kOverlapped,
+          bool kL1Split = false>
 __global__ void __launch_bounds__(kWarpgroups * w4a16::kThreadsPerWarpgroup, kMinBlocksPerSm)
 w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
   static_assert(!kOverlapped || kWarpgroups >= 2, "the overlapped K loop is built for the two- and four-warpgroup tiles");
+  static_assert(!kL1Split || (kIsL1 && kWarpgroups == 1 && !kOverlapped), "L1 splits K on the one-warpgroup tiles only");
   uint8_t* smem = detail::aligned_dynamic_smem();
   const int tid = threadIdx.x;
   __shared__ detail::EarlyStart early;
@@ -66,7 +70,7 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
   int total_work;
   if (early_start) {
     if constexpr (detail::kMayStartEarly<kIsL1, kWarpgroups, kBlockN>) {
-      detail::early_schedule<kWarpgroups, kBlockN>(p, 0, 0, early);
+      detail::early_schedule<kWarpgroups, kBlockN, kL1Split>(p, 0, 0, early);
     }
   } else {
     if (tid == 0) detail::prefetch_guessed_item<kWarpgroups, kBlockN, kStages>(p, blockIdx.x);
@@ -152,7 +156,7 @@ w4a16_grouped_gemm_kernel(const W4a16GemmParams p) {
     if constexpr (kOverlapped) {
       detail::gemm_item_overlapped<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem, bars, claim);
     } else {
-      detail::gemm_item<kIsL1, kWarpgroups, kBlockN, kStages>(p, w, smem, claim);
+      detail::gemm_item<kIsL1, kWarpgroups, kBlockN, kStages, kL1Split>(p, w, smem, claim);
     }
     // This barrier also hands the stages to the next item: every thread has finished this item's
     // wgmmas and copies. Every thread read the previous next_work_shared before this item's

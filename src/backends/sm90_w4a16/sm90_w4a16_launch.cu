@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "megamoe/status.h"
+#include "backends/sm90_w4a16/sm90_w4a16_l1_split.h"
 #include "backends/sm90_w4a16/sm90_w4a16_launch.h"
 
 namespace megamoe::runtime {
@@ -18,12 +19,20 @@ void for_each_tile(F&& f, std::integer_sequence<int, I...>) {
 
 template <bool kIsL1>
 void launch_w4a16_gemm(const GemmConfig& c, const kernels::sm90::W4a16GemmParams& params, const GemmGrid& grid) {
-  bool splits_allowed = c.k_splits == 1;
-  if constexpr (!kIsL1) splits_allowed = splits_allowed || params.y_slot == nullptr;
-  MEGAMOE_CHECK(c.k_splits >= 1 && splits_allowed, kInternal, "GEMM config ", c.to_string(),
-                ": only the atomic L2 may split K");
   const int tile = find_w4a16_tile(c);
   MEGAMOE_CHECK(tile >= 0, kInternal, "no kernel instantiated for GEMM config ", c.to_string());
+  bool splits_allowed = c.k_splits == 1;
+  if constexpr (kIsL1) {
+    splits_allowed = splits_allowed || (l1_splits(kW4a16Tiles[tile]) && params.l1_partial != nullptr &&
+                                        c.k_splits <= w4a16_split::kMaxL1KSplits);
+  } else {
+    splits_allowed = splits_allowed || params.y_slot == nullptr;
+  }
+  MEGAMOE_CHECK(c.k_splits >= 1 && splits_allowed, kInternal, "GEMM config ", c.to_string(),
+                ": only the atomic L2 and L1 on the decode tiles (with a partial buffer, up to ",
+                w4a16_split::kMaxL1KSplits, " slices) may split K");
+  MEGAMOE_CHECK(c.k_splits == params.k_splits, kInternal, "GEMM config ", c.to_string(), " and its parameters' ",
+                params.k_splits, " K slices differ");
   for_each_tile(
       [&](auto index) {
         if (index.value == tile) launch_w4a16_tile<decltype(index)::value, kIsL1>(params, grid);
@@ -37,6 +46,10 @@ template void launch_w4a16_gemm<false>(const GemmConfig&, const kernels::sm90::W
 void launch_w4a16_fused(const MoeConfig& c, const kernels::sm90::W4a16FusedParams& params, const GemmGrid& grid) {
   const int tile = find_w4a16_tile(c.l1);
   MEGAMOE_CHECK(c.can_fuse() && tile >= 0, kInternal, "no fused kernel instantiated for ", c.to_string());
+  MEGAMOE_CHECK(c.l1.k_splits == params.l1.k_splits && c.l2.k_splits == params.l2.k_splits &&
+                    (c.l1.k_splits == 1 || (params.l1.l1_partial != nullptr && c.l1.k_splits <= w4a16_split::kMaxL1KSplits)),
+                kInternal, "fused config ", c.to_string(), ": its K slices (L1 ", params.l1.k_splits, ", L2 ",
+                params.l2.k_splits, " in the parameters) cannot run");
   for_each_tile(
       [&](auto index) {
         if constexpr (kW4a16Tiles[decltype(index)::value].fusable) {

@@ -27,6 +27,11 @@ struct TileKernel {
   static constexpr int kThreads = kT.warpgroups * 128;
   static constexpr auto kernel = &kernels::sm90::w4a16_grouped_gemm_kernel<kIsL1, kT.warpgroups, kT.block_n, kT.stages,
                                                                            kEntry.ctas_per_sm, kT.overlapped>;
+  // L1 split in K: the same tile's kernel with the last-arriver epilogue (l1_splits tiles only).
+  static constexpr bool kSplits = kIsL1 && l1_splits(kEntry);
+  static constexpr auto split_kernel =
+      &kernels::sm90::w4a16_grouped_gemm_kernel<kIsL1, kT.warpgroups, kT.block_n, kT.stages, kEntry.ctas_per_sm,
+                                                kT.overlapped, kSplits>;
 };
 
 template <int kTile>
@@ -37,14 +42,33 @@ struct FusedKernel {
                 "the fused kernel runs the one-warpgroup decode tiles: mark only those fusable");
   using Smem = kernels::sm90::W4a16SmemLayout<1, kT.block_n, kT.stages>;
   static constexpr auto kernel = &kernels::sm90::w4a16_fused_moe_kernel<1, kT.block_n, kT.stages, kEntry.ctas_per_sm>;
+  static_assert(l1_splits(kEntry), "every fusable tile has an L1 split kernel");
+  static constexpr auto split_kernel =
+      &kernels::sm90::w4a16_fused_moe_kernel<1, kT.block_n, kT.stages, kEntry.ctas_per_sm, true>;
 };
 
 }  // namespace w4a16_detail
+
+// The L1 split kernels' occupancy, loaded and set up once (w4a16_tile_blocks_per_sm and
+// w4a16_fused_blocks_per_sm load them with the unsplit kernels).
+template <int kTile>
+int w4a16_split_l1_blocks_per_sm() {
+  using K = w4a16_detail::TileKernel<kTile, true>;
+  static const int blocks_per_sm = prepare_kernel(K::split_kernel, K::kThreads, K::Smem::kAllocBytes);
+  return blocks_per_sm;
+}
+template <int kTile>
+int w4a16_split_fused_blocks_per_sm() {
+  using K = w4a16_detail::FusedKernel<kTile>;
+  static const int blocks_per_sm = prepare_kernel(K::split_kernel, 128, K::Smem::kAllocBytes);
+  return blocks_per_sm;
+}
 
 template <int kTile, bool kIsL1>
 int w4a16_tile_blocks_per_sm() {
   using K = w4a16_detail::TileKernel<kTile, kIsL1>;
   static const int blocks_per_sm = prepare_kernel(K::kernel, K::kThreads, K::Smem::kAllocBytes);
+  if constexpr (K::kSplits) w4a16_split_l1_blocks_per_sm<kTile>();
   return blocks_per_sm;
 }
 
@@ -52,6 +76,7 @@ template <int kTile>
 int w4a16_fused_blocks_per_sm() {
   using K = w4a16_detail::FusedKernel<kTile>;
   static const int blocks_per_sm = prepare_kernel(K::kernel, 128, K::Smem::kAllocBytes);
+  w4a16_split_fused_blocks_per_sm<kTile>();
   return blocks_per_sm;
 }
 
@@ -59,6 +84,16 @@ template <int kTile, bool kIsL1>
 void launch_w4a16_tile(const kernels::sm90::W4a16GemmParams& params, const GemmGrid& grid) {
   using K = w4a16_detail::TileKernel<kTile, kIsL1>;
   const int blocks_per_sm = w4a16_tile_blocks_per_sm<kTile, kIsL1>();
+  if constexpr (K::kSplits) {
+    if (params.k_splits > 1) {
+      const int split_blocks_per_sm = w4a16_split_l1_blocks_per_sm<kTile>();
+      const int64_t ctas =
+          std::max<int64_t>(1, std::min<int64_t>(int64_t{grid.num_sms} * split_blocks_per_sm, grid.max_work));
+      launch_dependent(K::split_kernel, static_cast<unsigned>(ctas), K::kThreads, K::Smem::kAllocBytes, grid.stream,
+                       params);
+      return;
+    }
+  }
   const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(int64_t{grid.num_sms} * blocks_per_sm, grid.max_work));
   launch_dependent(K::kernel, static_cast<unsigned>(ctas), K::kThreads, K::Smem::kAllocBytes, grid.stream, params);
 }
@@ -66,12 +101,14 @@ void launch_w4a16_tile(const kernels::sm90::W4a16GemmParams& params, const GemmG
 template <int kTile>
 void launch_w4a16_fused_tile(const kernels::sm90::W4a16FusedParams& params, const GemmGrid& grid) {
   using K = w4a16_detail::FusedKernel<kTile>;
-  const int occupancy = w4a16_fused_blocks_per_sm<kTile>();
+  const bool split = params.l1.k_splits > 1;
+  const int occupancy = split ? w4a16_split_fused_blocks_per_sm<kTile>() : w4a16_fused_blocks_per_sm<kTile>();
   const int blocks_per_sm = grid.ctas_per_sm > 0 ? std::min(grid.ctas_per_sm, occupancy) : occupancy;
   // Every CTA must be resident at once (L2 items wait for L1 items held by other CTAs): the grid
   // never exceeds the occupancy of all the device's SMs (see MoeTuning::fused for the limits).
   const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(int64_t{grid.num_sms} * blocks_per_sm, grid.max_work));
-  launch_dependent(K::kernel, static_cast<unsigned>(ctas), 128, K::Smem::kAllocBytes, grid.stream, params);
+  launch_dependent(split ? K::split_kernel : K::kernel, static_cast<unsigned>(ctas), 128, K::Smem::kAllocBytes,
+                   grid.stream, params);
 }
 
 #if MEGAMOE_TIMELINE

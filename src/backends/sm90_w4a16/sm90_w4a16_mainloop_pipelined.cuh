@@ -174,8 +174,8 @@ __device__ __forceinline__ void pipelined_k_loop(int n, WeightStreams& ws, BPiec
 
 // Runs one work item with the whole CTA: mainloop over its K slice, then after_mainloop() (every
 // thread; the schedulers claim their next item there), then the epilogue. The caller's barrier
-// after it hands the shared-memory stages to the next item.
-template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, class AfterMainloop>
+// after it hands the shared-memory stages to the next item. kL1Split: L1 split in K (store_tile).
+template <bool kIsL1, int kWarpgroups, int kBlockN, int kStages, bool kL1Split = false, class AfterMainloop>
 __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkItem& w, uint8_t* smem,
                                           AfterMainloop&& after_mainloop) {
   using namespace w4a16;
@@ -245,7 +245,8 @@ __device__ __forceinline__ void gemm_item(const W4a16GemmParams& p, const WorkIt
     pipelined_k_loop<Smem, Op, kStages, kGroup>(n, ws, b, b_desc0, acc, load);
 
     after_mainloop();
-    detail::store_tile<kIsL1, kWarpgroups, kWidth>(p, acc, w, m_tile, warp, g, t, smem + Smem::kStagingOffset);
+    detail::store_tile<kIsL1, kWarpgroups, kWidth, false, kL1Split>(p, acc, w, m_tile, warp, g, t,
+                                                                   smem + Smem::kStagingOffset);
   });
 }
 

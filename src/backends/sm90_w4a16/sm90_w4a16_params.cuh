@@ -22,7 +22,9 @@ struct W4a16GemmParams {
   int64_t scale_expert_stride;
   int32_t m_tiles;    // 64-row tiles per expert
   int32_t k_chunks;   // 64-wide K chunks (K / 64)
-  int32_t k_splits;   // K slices per tile, each added into the output (L2 atomic mode only)
+  // K slices per tile: L2 (atomic combine only) adds each into the output; L1 (one-warpgroup
+  // decode tiles) sums them in the tile's last-arriving item (sm90_w4a16_l1_split.h).
+  int32_t k_splits;
   int32_t k_chunks_per_split;
   // Per expert, the global scales of the rows this GEMM multiplies: L1 reads gate and up, L2 down
   // (in gate's place: the layout stays one for both GEMMs).
@@ -45,12 +47,24 @@ struct W4a16GemmParams {
   int32_t num_experts;            // E' (virtual)
   const int32_t* slot_token;
   const float* slot_weight;
-  // L1 output: act (S, I) bf16; L2 outputs: out_acc (T, H) fp32 or y_slot (S, H) fp32.
+  // L1 output: act (S, I) bf16; L2 outputs: out_acc (T, H) fp32 or y_slot (S, H) fp32. L1 split
+  // in K reads L2's output fields as its partial buffer (k slices of (slots, 2I) fp32, the slice
+  // l1_partial_slice floats apart) and its tiles' arrival counters (zeroed by the dispatch): the
+  // layout stays one for both GEMMs.
   __nv_bfloat16* act;
   int64_t act_ld;
-  float* out_acc;
-  float* y_slot;
-  int64_t out_ld;
+  union {
+    float* out_acc;     // L2
+    float* l1_partial;  // L1 split in K
+  };
+  union {
+    float* y_slot;          // L2
+    int32_t* l1_arrivals;   // L1 split in K
+  };
+  union {
+    int64_t out_ld;            // L2
+    int64_t l1_partial_slice;  // L1 split in K
+  };
   float swiglu_limit;  // +inf when there is no clamp
   // L1 only: the atomic-combine accumulator (T, H) fp32 that L2 adds into, zeroed here so the run
   // needs no separate memset (L2 starts after this grid has completed; in the fused kernel, L2
@@ -74,7 +88,7 @@ struct W4a16GemmParams {
 
 // Parameters of the fused L1 + L2 launch.
 struct W4a16FusedParams {
-  W4a16GemmParams l1, l2;     // l1.work_counter hands out the items of both; L1 never splits K
+  W4a16GemmParams l1, l2;     // l1.work_counter hands out the items of both
   int32_t* l1_tiles_done;     // (E') L1 items completed per expert, zeroed by the dispatch kernel
   int32_t* ctas_zeroed;       // (1) CTAs done zeroing l1.zero_first, zeroed by the dispatch kernel
   // Early start on gated rows (early_schedule_gated, sm90_w4a16_scheduler.cuh): where the

@@ -65,8 +65,9 @@ k90::W4a16GemmParams l1_params(const PipelineRun& r, const MoeConfig& cfg, const
   g.scale_expert_stride = w.w13_scale_stride;
   g.m_tiles = d.l1_m_tiles;
   g.k_chunks = static_cast<int32_t>(p.hidden_size / 64);
-  g.k_splits = 1;
-  g.k_chunks_per_split = g.k_chunks;
+  // L1 split in K (sm90_w4a16_l1_split.h): equal slices (moe_config checks the split divides K).
+  g.k_splits = cfg.l1.k_splits;
+  g.k_chunks_per_split = g.k_chunks / g.k_splits;
   g.b_src = reinterpret_cast<const __nv_bfloat16*>(r.args.hidden);
   g.b_ld = p.hidden_size;
   g.tile_offsets = d.l1_tile_offsets;
@@ -85,6 +86,11 @@ k90::W4a16GemmParams l1_params(const PipelineRun& r, const MoeConfig& cfg, const
   g.tokens = d.tokens;
   g.top_k = d.top_k;
   g.shared_chunks = d.shared_chunks;
+  if (g.k_splits > 1) {
+    g.l1_partial = workspace_at<float>(ws, r.layout.l1_partial);
+    g.l1_partial_slice = r.layout.l1_partial_slice;
+    g.l1_arrivals = d.counters + counter_count(p);
+  }
   return g;
 }
 
@@ -129,6 +135,9 @@ void run_sm90_w4a16(const MoePlan& plan, const Sm90PrepackedWeights& w, const Mo
   if (gated != nullptr && (!cfg.fused || shared_chunks(p) != 0 || gated->gate.published == nullptr)) {
     cfg.early_start = false;
   }
+  // A gated run's slots are known only on the device: L1 does not split K (the partial buffer and
+  // the arrival counters the dispatch zeroes are sized by slots).
+  if (gated != nullptr) cfg.l1.k_splits = 1;
   const WorkspaceLayout layout = workspace_layout(p);
   const PipelineRun r = PipelineRun::make(p, args, layout, cfg.early_start, gated ? &gated->gate : nullptr);
 

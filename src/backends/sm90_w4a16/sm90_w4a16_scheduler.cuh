@@ -11,6 +11,7 @@
 #include "kernels/common/ptx_cp_async.cuh"
 #include "kernels/sm90/sm90_moe_tiny_schedule.cuh"
 #include "kernels/sm90/sm90_signal.cuh"
+#include "backends/sm90_w4a16/sm90_w4a16_l1_split.h"
 #include "backends/sm90_w4a16/sm90_w4a16_layout.h"
 #include "backends/sm90_w4a16/sm90_w4a16_params.cuh"
 #include "backends/sm90_w4a16/sm90_w4a16_tile.cuh"
@@ -178,12 +179,13 @@ __device__ __forceinline__ bool starts_early(const W4a16GemmParams& p) {
 // The tiny batch's schedule from its selections, one per lane (s; `token` the lane's token),
 // exactly as the dispatch kernel publishes it (virtual experts in id order; an expert of c slots
 // has ceil(c / kBlockN) * (m_tiles / kWarpgroups) * k_splits items), and this CTA's first item
-// (blockIdx.x). l2_m_tiles = 0 where no L2 items follow (the two-launch L1 kernel). Every thread
-// calls it: each warp computes the same schedule and warp 0 stores it. (Run by warp 0 alone,
-// behind a tid < 32 branch, it makes ptxas build the L1 mainloop's wgmma descriptors in ordinary
-// instead of uniform registers, which grows every K group: docs/perf/2026-11-21-h100-w4a16-v9.md;
-// tests/sass/check_sass.sh.)
-template <int kWarpgroups, int kBlockN>
+// (blockIdx.x). l2_m_tiles = 0 where no L2 items follow (the two-launch L1 kernel). kL1Split: L1
+// splits K into l1.k_splits slices (the other kernels leave the split out, so that their code stays
+// what it was). Every thread calls it: each warp computes the same schedule and warp 0 stores it.
+// (Run by warp 0 alone, behind a tid < 32 branch, it makes ptxas build the L1 mainloop's wgmma
+// descriptors in ordinary instead of uniform registers, which grows every K group:
+// docs/perf/2026-11-21-h100-w4a16-v9.md; tests/sass/check_sass.sh.)
+template <int kWarpgroups, int kBlockN, bool kL1Split = false>
 __device__ __forceinline__ void tiny_schedule(const W4a16GemmParams& l1, int l2_m_tiles, int l2_k_splits, int T,
                                               const TinySelection& s, int token, EarlyStart& es) {
   const int lane = threadIdx.x % 32;
@@ -191,14 +193,15 @@ __device__ __forceinline__ void tiny_schedule(const W4a16GemmParams& l1, int l2_
   auto items = [](int count, int m_tiles, int k_splits) {
     return (count + kBlockN - 1) / kBlockN * (m_tiles / kWarpgroups) * k_splits;
   };
-  const int32_t v[3] = {s.count, items(s.count, l1.m_tiles, 1), items(s.count, l2_m_tiles, l2_k_splits)};
+  const int l1_k_splits = kL1Split ? l1.k_splits : 1;
+  const int32_t v[3] = {s.count, items(s.count, l1.m_tiles, l1_k_splits), items(s.count, l2_m_tiles, l2_k_splits)};
   int32_t before[3], total[3];  // (slots, L1 items, L2 items) of the routed experts
   tiny_sum_before(s, v, before, total);
   const bool writer = threadIdx.x < 32;
   if (writer && s.valid) es.slot_token[before[0] + s.rank] = token;
   // Shared slice c holds every token in order: slots total[0] + c * T + t.
   for (int i = lane; writer && i < T * chunks; i += 32) es.slot_token[total[0] + i] = i % T;
-  const int shared_l1 = items(T, l1.m_tiles, 1);
+  const int shared_l1 = items(T, l1.m_tiles, l1_k_splits);
 
   // The first item: a routed expert's (its leader finds it), or a shared slice's, or none.
   const int work = static_cast<int>(blockIdx.x);
@@ -218,14 +221,19 @@ __device__ __forceinline__ void tiny_schedule(const W4a16GemmParams& l1, int l2_
   }
   const int local = work - item0, n_tiles = (count + kBlockN - 1) / kBlockN;
   if (threadIdx.x == 0) {
-    es.first = WorkItem{expert, local / n_tiles, 0, slot0 + local % n_tiles * kBlockN, slot0 + count, es.slot_token};
+    if constexpr (kL1Split) {
+      const w4a16_split::ItemCoords c = w4a16_split::item_coords(local, n_tiles, l1_k_splits);
+      es.first = WorkItem{expert, c.m_block, c.k_split, slot0 + c.n_tile * kBlockN, slot0 + count, es.slot_token};
+    } else {
+      es.first = WorkItem{expert, local / n_tiles, 0, slot0 + local % n_tiles * kBlockN, slot0 + count, es.slot_token};
+    }
     es.l1_items = l1_items;
     es.l2_items = total[2] + chunks * items(T, l2_m_tiles, l2_k_splits);
   }
 }
 
 // Early start from the top-k ids (T * k <= kTinyMaxSelections: a selection per lane).
-template <int kWarpgroups, int kBlockN>
+template <int kWarpgroups, int kBlockN, bool kL1Split = false>
 __device__ __forceinline__ void early_schedule(const W4a16GemmParams& l1, int l2_m_tiles, int l2_k_splits,
                                                EarlyStart& es) {
   const int lane = threadIdx.x % 32;
@@ -235,7 +243,7 @@ __device__ __forceinline__ void early_schedule(const W4a16GemmParams& l1, int l2
   if (selections > kTinyMaxSelections || T * (l1.top_k + chunks) > kTinyMaxSlots) __trap();
   const bool in_range = lane < selections;
   const TinySelection s = tiny_select(in_range ? l1.topk_ids[lane] : -1, in_range, l1.num_routed);
-  tiny_schedule<kWarpgroups, kBlockN>(l1, l2_m_tiles, l2_k_splits, T, s, lane / l1.top_k, es);
+  tiny_schedule<kWarpgroups, kBlockN, kL1Split>(l1, l2_m_tiles, l2_k_splits, T, s, lane / l1.top_k, es);
 }
 
 // Early start on gated rows (runtime/token_gate.h): thread 0 waits for the rows the dispatch's
@@ -245,7 +253,7 @@ __device__ __forceinline__ void early_schedule(const W4a16GemmParams& l1, int l2
 // same as above either way, so the kernel has no second path (a flag that stays live across
 // the mainloops costs descriptor copies in every K group: tests/sass/check_sass.sh). The host's
 // invariant: no shared slices (the expert-parallel layer runs its shared expert apart).
-template <int kWarpgroups, int kBlockN>
+template <int kWarpgroups, int kBlockN, bool kL1Split = false>
 __device__ __forceinline__ void early_schedule_gated(const W4a16GemmParams& l1, const W4a16GemmParams& l2,
                                                      const runtime::GateRows& gate, EarlyStart& es) {
   __shared__ int32_t rows;
@@ -257,7 +265,7 @@ __device__ __forceinline__ void early_schedule_gated(const W4a16GemmParams& l1, 
   if (tiny_batch(entries, e.valid)) {
     const bool in_range = static_cast<int>(threadIdx.x % 32) < e.valid;
     const TinySelection s = tiny_select(e.id, in_range, l1.num_routed);
-    tiny_schedule<kWarpgroups, kBlockN>(l1, l2.m_tiles, l2.k_splits, rows, s, e.entry / l1.top_k, es);
+    tiny_schedule<kWarpgroups, kBlockN, kL1Split>(l1, l2.m_tiles, l2.k_splits, rows, s, e.entry / l1.top_k, es);
     return;
   }
   // Not tiny: the first item from the dispatch's schedule. Each warp finds its expert with ballots
@@ -279,7 +287,12 @@ __device__ __forceinline__ void early_schedule_gated(const W4a16GemmParams& l1, 
     if (expert >= 0) {
       const int slot0 = l1.expert_offsets[expert], count = l1.expert_offsets[expert + 1] - slot0;
       const int local = work - l1.tile_offsets[expert], n_tiles = (count + kBlockN - 1) / kBlockN;
-      es.first = WorkItem{expert, local / n_tiles, 0, slot0 + local % n_tiles * kBlockN, slot0 + count, l1.slot_token};
+      if constexpr (kL1Split) {
+        const w4a16_split::ItemCoords c = w4a16_split::item_coords(local, n_tiles, l1.k_splits);
+        es.first = WorkItem{expert, c.m_block, c.k_split, slot0 + c.n_tile * kBlockN, slot0 + count, l1.slot_token};
+      } else {
+        es.first = WorkItem{expert, local / n_tiles, 0, slot0 + local % n_tiles * kBlockN, slot0 + count, l1.slot_token};
+      }
     }
     es.l1_items = l1_items;
     es.l2_items = l2.tile_offsets[l2.num_experts];

@@ -75,6 +75,10 @@ inline constexpr W4a16TileEntry kW4a16Tiles[kW4a16TileCount] = {
     {"absorbing160", {4, 160, 6, 1, 32, true}, 1, false},
 };
 
+// Whether L1 may split K on the tile (a kernel with the last-arriver SwiGLU is built for it,
+// sm90_w4a16_l1_split.h): the one-warpgroup decode tiles that have a fused kernel, in both launches.
+constexpr bool l1_splits(const W4a16TileEntry& e) { return e.fusable; }
+
 // Named tiles for the heuristic and the tests.
 inline constexpr GemmConfig kFusedTile = kW4a16Tiles[kTileDecode16].config;
 inline constexpr GemmConfig kFusedTile32 = kW4a16Tiles[kTileDecode32].config;

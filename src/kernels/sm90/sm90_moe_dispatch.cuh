@@ -101,7 +101,7 @@ __device__ __forceinline__ int32_t scan_offsets(const DispatchParams& p, ScanSto
     const int e = 2 * tid + j;
     const int32_t c = e < num_virtual ? counts[e] : 0;
     v[j][0] = c;
-    v[j][1] = expert_token_tiles(c, p.l1_block_n, p.l1_tile_step) * (p.l1_m_tiles / p.l1_block_m_tiles);
+    v[j][1] = expert_token_tiles(c, p.l1_block_n, p.l1_tile_step) * (p.l1_m_tiles / p.l1_block_m_tiles) * p.l1_k_splits;
     v[j][2] = expert_token_tiles(c, p.l2_block_n, p.l2_tile_step) * (p.l2_m_tiles / p.l2_block_m_tiles) * p.l2_k_splits;
   }
   int32_t total[3];

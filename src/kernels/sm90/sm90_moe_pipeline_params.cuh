@@ -25,7 +25,8 @@ struct DispatchParams {
   int32_t l2_block_n;
   int32_t l1_tile_step;          // tokens per tile but an expert's last (expert_token_tiles)
   int32_t l2_tile_step;
-  int32_t l2_k_splits;           // K slices per L2 tile (L1 never splits K: SwiGLU needs full sums)
+  int32_t l1_k_splits;           // K slices per L1 tile (1, or a W4A16 L1 split: sm90_w4a16_l1_split.h)
+  int32_t l2_k_splits;           // K slices per L2 tile
   // outputs (workspace)
   int32_t* expert_offsets;       // (E' + 1) slot offsets
   int32_t* l1_tile_offsets;      // (E' + 1) prefix of L1 work items

@@ -44,6 +44,7 @@ k90::DispatchParams dispatch_params(const PipelineRun& r, const GemmSchedule& l1
   d.l2_block_n = l2.block_n;
   d.l1_tile_step = l1.tile_step;
   d.l2_tile_step = l2.tile_step;
+  d.l1_k_splits = l1.k_splits;
   d.l2_k_splits = l2.k_splits;
   d.expert_offsets = workspace_at<int32_t>(ws, L.expert_offsets);
   d.l1_tile_offsets = workspace_at<int32_t>(ws, L.l1_tiles);
@@ -53,7 +54,11 @@ k90::DispatchParams dispatch_params(const PipelineRun& r, const GemmSchedule& l1
   d.token_slot = workspace_at<int32_t>(ws, L.token_slot);
   d.invalid_ids = workspace_at<int32_t>(ws, L.invalid);
   d.counters = workspace_at<int32_t>(ws, L.counters);
-  d.counter_count = static_cast<int32_t>(counter_count(p));
+  // L1 split in K: its arrival counters follow the others, zeroed for this run's slots.
+  d.counter_count = static_cast<int32_t>(
+      counter_count(p) + (l1.k_splits > 1 ? l1_split_counters(p, r.tokens * r.slots_per_token) : 0));
+  MEGAMOE_CHECK(l1.k_splits == 1 || r.tokens * r.slots_per_token <= l1_split_slots(p), kInternal,
+                "L1 split in K at ", r.tokens * r.slots_per_token, " slots; the workspace holds ", l1_split_slots(p));
   d.cta_counts = workspace_at<int32_t>(ws, L.cta_counts);
   d.cta_invalid = workspace_at<int32_t>(ws, L.cta_invalid);
   d.zero_first = r.dispatch_zeroes_accumulator ? workspace_at<float>(ws, L.out_acc) : nullptr;

@@ -3,6 +3,7 @@
 
 #include <limits>
 
+#include "backends/sm90_w4a16/sm90_w4a16_l1_split.h"
 #include "kernels/sm90/sm90_moe_dispatch_limits.h"
 #include "megamoe/gpu.h"
 #include "megamoe/status.h"
@@ -28,6 +29,8 @@ void validate_sm90_problem(const MoeProblem& p) {
                 kInvalidArgument, "MoePlan: max_tokens * (top_k + shared slices) overflows int32");
 }
 
+int64_t l1_split_slots(const MoeProblem& p) { return w4a16_split::partial_slots(p.max_tokens, slots_per_token(p)); }
+
 WorkspaceLayout workspace_layout(const MoeProblem& p) {
   WorkspaceLayout w{};
   size_t off = 0;
@@ -42,7 +45,7 @@ WorkspaceLayout workspace_layout(const MoeProblem& p) {
   w.l1_tiles = take(ev * 4);
   w.l2_tiles = take(ev * 4);
   w.invalid = take(4);
-  w.counters = take(static_cast<size_t>(counter_count(p)) * 4);
+  w.counters = take(static_cast<size_t>(counter_count(p) + l1_split_counters(p, l1_split_slots(p))) * 4);
   // The multi-CTA dispatch's per-CTA expert counts (large T only).
   w.cta_counts = take(static_cast<size_t>(kernels::sm90::kDispatchMaxCtas) * static_cast<size_t>(p.num_experts) * 4);
   w.cta_invalid = take(static_cast<size_t>(kernels::sm90::kDispatchMaxCtas) * 4);
@@ -52,6 +55,10 @@ WorkspaceLayout workspace_layout(const MoeProblem& p) {
   w.act = take(slots * static_cast<size_t>(p.intermediate_size) * 2);
   w.out_acc = p.deterministic ? off : take(static_cast<size_t>(p.max_tokens * p.hidden_size) * 4);
   w.y_slot = p.deterministic ? take(slots * static_cast<size_t>(p.hidden_size) * 4) : off;
+  // L1 split in K: kMaxL1KSplits slices of (split slots, 2I) fp32 (a few MB at most: the split
+  // runs only up to kL1SplitMaxSlots slots).
+  w.l1_partial_slice = l1_split_slots(p) * 2 * p.intermediate_size;
+  w.l1_partial = take(static_cast<size_t>(w4a16_split::kMaxL1KSplits * w.l1_partial_slice) * 4);
   w.total = off;
   return w;
 }

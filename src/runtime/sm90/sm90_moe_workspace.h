@@ -25,17 +25,26 @@ inline int64_t slots_per_token(const MoeProblem& p) { return p.top_k + shared_ch
 void validate_sm90_problem(const MoeProblem& p);
 
 // The int32 counters the dispatch kernel zeroes: [0] L1 work items, [1] L2 work items, [2] CTAs
-// done zeroing (fused launch), then per virtual expert the L1 items done (fused launch).
+// done zeroing (fused launch), then per virtual expert the L1 items done (fused launch). Past
+// them the W4A16 L1 split's arrival counters (l1_split_counters), zeroed with them where a run
+// splits L1 (GemmSchedule::k_splits of L1 > 1; dispatch_params counts them then).
 inline constexpr int64_t kL1WorkCounter = 0;
 inline constexpr int64_t kL2WorkCounter = 1;
 inline constexpr int64_t kCtasZeroedCounter = 2;
 inline constexpr int64_t kL1DoneCounters = 3;
 inline int64_t counter_count(const MoeProblem& p) { return kL1DoneCounters + virtual_experts(p); }
+// The arrival counters of L1 split in K at `slots` slots (sm90_w4a16_l1_split.h: one per first
+// slot and 64-row W13 tile), and the most any run of the plan may use.
+inline int64_t l1_split_counters(const MoeProblem& p, int64_t slots) { return slots * (2 * p.intermediate_size / 64); }
+int64_t l1_split_slots(const MoeProblem& p);
 
 // Byte offsets of the workspace's regions, each 256-byte aligned, sized for max_tokens.
+// l1_partial: the W4A16 L1 split's partial sums (sm90_w4a16_l1_split.h), l1_partial_slice floats
+// per K slice.
 struct WorkspaceLayout {
   size_t expert_offsets, l1_tiles, l2_tiles, invalid, counters, cta_counts, cta_invalid, slot_token, slot_weight,
-      token_slot, act, out_acc, y_slot, total;
+      token_slot, act, out_acc, y_slot, l1_partial, total;
+  int64_t l1_partial_slice;
 };
 WorkspaceLayout workspace_layout(const MoeProblem& p);
 
