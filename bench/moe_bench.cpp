@@ -185,6 +185,7 @@ int run_bench(const BenchOptions& opt) {
   tuning.fused = opt.fused;
   tuning.early_start = opt.early_start;
   tuning.absorbing_tile = opt.absorbing_tile;
+  tuning.l1_k_splits = opt.l1_k_splits;
   tuning.l1_tile = opt.l1_tile;
   tuning.l2_tile = opt.l2_tile;
   const MoePlan plan = MoePlan::create(problem, tuning);

@@ -69,6 +69,11 @@ struct MoeTuning {
   // table) and a tile whose row blocks do not divide the GEMM's rows (2I for L1, H for L2).
   std::optional<std::string> l1_tile;
   std::optional<std::string> l2_tile;
+  // sm_90 w4a16: L1's K slices (1 keeps L1 whole; up to 4), the tile's last-arriving slice adding the
+  // slices' fp32 sums in a fixed order and running the SwiGLU. Needs L1 on decode16 or decode32, at
+  // most 64 slots (T * (top_k + shared slices)) and H / 64 a multiple of it; a gated run keeps L1
+  // whole. Unset: the heuristic's choice.
+  std::optional<int> l1_k_splits;
 };
 
 // The stacked NVFP4 expert layout inference engines keep on the GPU (docs/design.md §2): DEVICE

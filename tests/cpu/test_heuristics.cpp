@@ -4,6 +4,11 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <map>
+#include <random>
+#include <set>
+#include <tuple>
+#include <vector>
 #include <iterator>
 #include <optional>
 #include <string>
@@ -12,6 +17,7 @@
 #include "megamoe/presets.h"
 #include "megamoe/runtime.h"
 #include "backends/sm90_w4a16/sm90_w4a16_heuristics.h"
+#include "backends/sm90_w4a16/sm90_w4a16_l1_split.h"
 #include "runtime/sm90/sm90_moe_workspace.h"
 #include "backends/sm90_w4a16/sm90_w4a16_tiles.h"
 #include "runtime/backend.h"
@@ -144,12 +150,14 @@ TEST(Heuristics, H200FiguresTakeTheTilesMeasuredThere) {
     }
   }
   // Decode (T <= 64 here) takes the H100's tiles and launches at every T: only the prefill
-  // thresholds and the fused grid's cap (H200FusedGridHoldsL1SharePerSm) moved.
+  // thresholds, the fused grid's cap (H200FusedGridHoldsL1SharePerSm) and L1's K slices
+  // (H200SplitsASparseL1InK) moved.
   for (const MoeProblem& p : {deepseek_v3(), routed_only(deepseek_v3()), qwen3_30b()}) {
     for (int64_t T : {1, 2, 4, 8, 16, 32, 64, 128}) {
       for (int sms : {78, 132}) {
         MoeConfig h200 = h200_config(p, T, sms);
         h200.fused_ctas_per_sm = 0;
+        h200.l1.k_splits = 1;
         EXPECT_EQ(h200.to_string(), h100_config(p, T, sms).to_string()) << "T=" << T;
       }
     }
@@ -254,6 +262,157 @@ TEST(Heuristics, L2SplitsKForTinyBatches) {
   MoeProblem odd_slices = dsv3;
   odd_slices.intermediate_size = 2048 + 64;  // I/64 odd: no even split
   EXPECT_EQ(h100_config(odd_slices, 1).l2.k_splits, 1);
+}
+
+// L1 split in K (sm90_w4a16_l1_split.h) on the H200's row where L1 has fewer than two items per
+// SM: Qwen3-30B-A3B T = 1 (192 items on 132 SMs; docs/perf/2026-11-29-h200-w4a16-v41.md). Not at
+// T = 2 (384), not DeepSeek-V3 T = 1 (512), not on fewer SMs than L1 has halves of, never on the
+// H100's figures (their hash is pinned in H100FiguresKeepTheirChoices), never past the
+// workspace's 64 slots or where H / 64 is odd.
+TEST(Heuristics, H200SplitsASparseL1InK) {
+  const MoeProblem dsv3 = deepseek_v3(), qwen3 = qwen3_30b();
+  EXPECT_EQ(h200_config(qwen3, 1).l1.k_splits, 2);
+  EXPECT_NE(h200_config(qwen3, 1).to_string().find("L1{BLOCK_M=64 BLOCK_N=16 stages=8 k_splits=2}"), std::string::npos)
+      << h200_config(qwen3, 1).to_string();
+  EXPECT_FALSE(h200_config(qwen3, 1).fused);  // the split leaves the launch decision alone
+  EXPECT_EQ(h200_config(qwen3, 1).l2.k_splits, 2);
+  EXPECT_EQ(choose_moe_config(qwen3, 1, 132, kH200Copy).l1.k_splits, 2);
+  EXPECT_EQ(choose_moe_config(qwen3, 1, 132, kH200Quoted).l1.k_splits, 2);
+  EXPECT_EQ(h200_config(qwen3, 2).l1.k_splits, 1);
+  EXPECT_EQ(h200_config(qwen3, 1, 78).l1.k_splits, 1);  // 192 items on 78 SMs: 2.5 per SM
+  EXPECT_EQ(h200_config(routed_only(dsv3), 1).l1.k_splits, 1);
+  EXPECT_EQ(h200_config(dsv3, 1).l1.k_splits, 1);
+  MoeProblem odd_k = qwen3;
+  odd_k.hidden_size = 2048 + 64;  // 33 chunks
+  EXPECT_EQ(h200_config(odd_k, 1).l1.k_splits, 1);
+  for (const ModelPreset& m : model_presets()) {
+    for (const bool shared : {false, true}) {
+      MoeProblem p = preset_problem(m.name);
+      if (!shared) p = routed_only(p);
+      for (int64_t T : {1, 2, 3, 4, 8, 16, 64, 1024}) {
+        for (int sms : {78, 114, 132}) {
+          EXPECT_EQ(h100_config(p, T, sms).l1.k_splits, 1) << m.name << " T=" << T << " sms=" << sms;
+          const MoeConfig c = h200_config(p, T, sms);
+          const int64_t slots = T * (p.top_k + p.shared_intermediate_size / p.intermediate_size);
+          if (c.l1.k_splits > 1) {
+            EXPECT_TRUE(w4a16_split::can_split(p.hidden_size, slots, c.l1.k_splits)) << m.name << " T=" << T;
+            EXPECT_TRUE(l1_splits(kW4a16Tiles[find_w4a16_tile(c.l1)])) << c.to_string();
+          }
+        }
+      }
+    }
+  }
+}
+
+// MoeTuning::l1_k_splits replaces the choice on the decode tiles, on either device; the fused grid
+// then counts each slice as an L1 item (DeepSeek-V3 routed T = 1 in two slices: 1024 items, more
+// than the occupancy, so no cap). Elsewhere (a prefill tile, a named tile) L1 stays whole:
+// tuned_moe_config never throws, moe_config reports what cannot run (can_split).
+TEST(Heuristics, L1SplitOverride) {
+  const MoeProblem routed = routed_only(deepseek_v3()), qwen3 = qwen3_30b();
+  MoeTuning split2;
+  split2.l1_k_splits = 2;
+  MoeTuning split4;
+  split4.l1_k_splits = 4;
+  MoeTuning whole;
+  whole.l1_k_splits = 1;
+  EXPECT_EQ(tuned_moe_config(qwen3, 1, 132, kH200, whole).l1.k_splits, 1);
+  EXPECT_EQ(tuned_moe_config(qwen3, 1, 132, kH100, split4).l1.k_splits, 4);
+  EXPECT_EQ(tuned_moe_config(qwen3, 1, 132, kH200, split4).l1.k_splits, 4);
+  EXPECT_EQ(tuned_moe_config(qwen3, 1, 132, kH200, MoeTuning{}).l1.k_splits, 2);
+  const MoeConfig dsv3 = tuned_moe_config(routed, 1, 132, kH200, split2);
+  EXPECT_TRUE(dsv3.fused);
+  EXPECT_EQ(dsv3.l1.k_splits, 2);
+  EXPECT_EQ(dsv3.fused_ctas_per_sm, 0);
+  EXPECT_EQ(tuned_moe_config(routed, 1, 132, kH200, whole).fused_ctas_per_sm, 4);
+  EXPECT_EQ(tuned_moe_config(routed, 4096, 132, kH200, split2).l1.k_splits, 1);  // the absorbing tile
+  MoeTuning named = split2;
+  named.l1_tile = "middle64";
+  EXPECT_EQ(tuned_moe_config(qwen3, 1, 132, kH200, named).l1.k_splits, 1);
+  named.l1_tile = "decode32";
+  EXPECT_EQ(tuned_moe_config(qwen3, 1, 132, kH200, named).l1.k_splits, 2);
+  EXPECT_TRUE(w4a16_split::can_split(2048, 8, 4));
+  EXPECT_TRUE(w4a16_split::can_split(7168, 64, 4));
+  EXPECT_FALSE(w4a16_split::can_split(7168, 65, 2));  // past the workspace's slots
+  EXPECT_FALSE(w4a16_split::can_split(2048, 8, 3));   // 32 chunks in 3 slices
+  EXPECT_FALSE(w4a16_split::can_split(2048, 8, 8));   // past kMaxL1KSplits
+}
+
+// The L1 split's index arithmetic, as the dispatch counts the items and the kernels decode them:
+// for random routings every L1 tile (expert, 64-row tile, token tile) gets exactly k_splits items,
+// one per slice; each tile has its own arrival counter within the ones the dispatch zeroes; the
+// partial sums of different tiles or slices never share a float, and all fit the workspace's buffer.
+TEST(L1Split, EveryTileHasOneItemPerSliceAndItsOwnCounters) {
+  std::mt19937 rng(48);
+  for (int round = 0; round < 200; ++round) {
+    const int E = 2 + static_cast<int>(rng() % 30), k = 1 + static_cast<int>(rng() % std::min(E, 8));
+    const int shared = static_cast<int>(rng() % 2), m_tiles = 2 + static_cast<int>(rng() % 6);
+    const int block_n = rng() % 2 ? 16 : 32;
+    const int per_token = k + shared;
+    const int T = 1 + static_cast<int>(rng() % (w4a16_split::kL1SplitMaxSlots / per_token));
+    const int splits = 1 << (rng() % 3);  // 1, 2, 4
+    // An expert's slots: top-k distinct experts per token, every token in each shared slice.
+    std::vector<int> count(E + shared, 0);
+    for (int t = 0; t < T; ++t) {
+      std::set<int> chosen;
+      while (static_cast<int>(chosen.size()) < k) chosen.insert(static_cast<int>(rng() % E));
+      for (int e : chosen) ++count[e];
+    }
+    for (int c = 0; c < shared; ++c) count[E + c] = T;
+    const int64_t slots = static_cast<int64_t>(T) * per_token;
+    const int64_t rows = 64 * m_tiles;
+    const int64_t slice = w4a16_split::kL1SplitMaxSlots * rows;  // the workspace's slice at max_tokens >= 64 slots
+    std::map<std::tuple<int, int, int>, std::set<int>> slices_of_tile;
+    std::map<int64_t, std::tuple<int, int, int>> tile_of_counter;
+    std::set<int64_t> floats;
+    int slot0 = 0;
+    for (int e = 0; e < E + shared; ++e) {
+      const int c = count[e];
+      const int n_tiles = (c + block_n - 1) / block_n;
+      const int items = n_tiles * m_tiles * splits;  // the dispatch's count (sm90_moe_dispatch.cuh)
+      for (int local = 0; local < items; ++local) {
+        const w4a16_split::ItemCoords ic = w4a16_split::item_coords(local, n_tiles, splits);
+        // split_expert_work's decode (sm90_w4a16_scheduler.cuh).
+        ASSERT_EQ(ic.k_split, (local / n_tiles) % splits);
+        ASSERT_EQ(ic.m_block, local / n_tiles / splits);
+        ASSERT_EQ(ic.n_tile, local % n_tiles);
+        ASSERT_LT(ic.m_block, m_tiles);
+        const std::tuple<int, int, int> tile{e, ic.m_block, ic.n_tile};
+        ASSERT_TRUE(slices_of_tile[tile].insert(ic.k_split).second);
+        const int slot_begin = slot0 + ic.n_tile * block_n, slot_end = std::min(slot0 + c, slot_begin + block_n);
+        const int64_t counter = w4a16_split::arrival_index(slot_begin, ic.m_block, m_tiles);
+        ASSERT_GE(counter, 0);
+        ASSERT_LT(counter, w4a16_split::arrival_count(slots, m_tiles));
+        const auto [at, fresh] = tile_of_counter.emplace(counter, tile);
+        ASSERT_TRUE(fresh || at->second == tile) << "two tiles share arrival counter " << counter;
+        for (int slot = slot_begin; slot < slot_end; ++slot) {
+          for (int r = 0; r < 64; ++r) {
+            const int64_t f = w4a16_split::partial_offset(ic.k_split, slice, slot, rows, 64 * ic.m_block + r);
+            ASSERT_LT(f, w4a16_split::kMaxL1KSplits * slice);
+            ASSERT_TRUE(floats.insert(f).second) << "partial sums share float " << f;
+          }
+        }
+      }
+      slot0 += c;
+    }
+    for (const auto& [tile, s] : slices_of_tile) ASSERT_EQ(static_cast<int>(s.size()), splits);
+  }
+}
+
+// The workspace holds the split's arrival counters past the dispatch's others, and kMaxL1KSplits
+// slices of partial sums for its slots (at most 64, fewer where max_tokens is smaller).
+TEST(L1Split, WorkspaceHoldsTheSlicesAndCounters) {
+  MoeProblem p = qwen3_30b();
+  EXPECT_EQ(runtime::l1_split_slots(p), w4a16_split::kL1SplitMaxSlots);
+  runtime::WorkspaceLayout w = runtime::workspace_layout(p);
+  EXPECT_EQ(w.l1_partial_slice, 64 * 2 * p.intermediate_size);
+  EXPECT_GE(w.total - w.l1_partial, static_cast<size_t>(w4a16_split::kMaxL1KSplits * w.l1_partial_slice * 4));
+  EXPECT_GE(w.cta_counts - w.counters,
+            static_cast<size_t>(runtime::counter_count(p) + runtime::l1_split_counters(p, 64)) * 4);
+  p.max_tokens = 2;  // 16 slots
+  EXPECT_EQ(runtime::l1_split_slots(p), 16);
+  w = runtime::workspace_layout(p);
+  EXPECT_EQ(w.l1_partial_slice, 16 * 2 * p.intermediate_size);
 }
 
 TEST(Heuristics, DecodeFusesTheGemmsWhenL1EndsInAPartialWave) {

@@ -59,7 +59,7 @@ bench::EpBenchOptions ep_options(const bench::BenchOptions& b, const EpCli& e, c
   auto given = [&](const char* name) { return app.count(name) > 0; };
   MEGAMOE_CHECK(!given("--tokens"), kInvalidArgument,
                 "bench --ep: --tokens is the single-GPU token list; with --ep give --tokens-per-rank");
-  for (const char* name : {"--fused", "--absorbing-tile", "--l1-tile", "--l2-tile"}) {
+  for (const char* name : {"--fused", "--absorbing-tile", "--l1-tile", "--l2-tile", "--l1-k-splits"}) {
     MEGAMOE_CHECK(!given(name), kInvalidArgument, "bench --ep: ", name,
                   " overrides the single-GPU heuristic; the expert-parallel layer takes no tuning overrides but "
                   "--early-start off");
@@ -227,6 +227,11 @@ Command add_bench_command(CLI::App& parent) {
                   "override the heuristic: both GEMMs on the absorbing tile (four warpgroups, 128-token items, an "
                   "expert's last up to 160; needs H and 2I multiples of 256)")
       ->check(CLI::IsMember({"on", "off"}));
+  app->add_option_function<int>(
+         "--l1-k-splits", [opt](int k) { opt->l1_k_splits = k; },
+         "override the heuristic: L1's K slices on the decode tiles (1 keeps L1 whole, up to 4; the last slice "
+         "to finish runs the SwiGLU; at most 64 slots T * (top_k + shared slices))")
+      ->check(CLI::Range(1, 4));
   for (auto [flag, field, gemm] : {std::tuple{"--l1-tile", &opt->l1_tile, "L1 (x W13, SwiGLU)"},
                                    std::tuple{"--l2-tile", &opt->l2_tile, "L2 (act W2, combine)"}}) {
     app->add_option_function<std::string>(

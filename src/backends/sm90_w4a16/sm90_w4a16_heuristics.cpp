@@ -22,6 +22,7 @@
 
 #include "backends/sm90_w4a16/sm90_w4a16_heuristics.h"
 
+#include "backends/sm90_w4a16/sm90_w4a16_l1_split.h"
 #include "kernels/sm90/sm90_moe_token_tiles.h"
 #include "megamoe/runtime.h"
 #include "megamoe/status.h"
@@ -155,6 +156,7 @@ struct BalanceRow {
   PerK absorbing_from;  // tokens per expert from which the absorbing tile runs (absorbing_pays)
   PerK overlap_from;    // tokens per expert from which the 128-token tile overlaps its K loop
   bool balance_fused_l1;  // fused_ctas_per_sm caps the fused launch's grid
+  bool split_l1;          // l1_k_splits splits a sparse L1 in K
 };
 
 // One row per measured balance, ascending; a device takes the last row at or below its balance.
@@ -165,11 +167,13 @@ struct BalanceRow {
 //   the tiles that spend fewer SM instructions per weight pay from fewer tokens per expert: the
 //   two-warpgroup 128-token tile from 40 (not 48), the absorbing tile from 96 at long K (not
 //   256), the overlapped K loop from 96 at short K (not 256); and the fused launch's grid capped at
-//   L1's share per SM (docs/perf/2026-11-29-h200-w4a16-v39.md; not measured on the H100).
+//   L1's share per SM (docs/perf/2026-11-29-h200-w4a16-v39.md; not measured on the H100); L1
+//   split in K where it has fewer than two items per SM (docs/perf/2026-11-29-h200-w4a16-v41.md,
+//   from v34's timeline; not yet measured, not on the H100).
 // The boundary, 15, lies between the two devices' balances.
 inline constexpr BalanceRow kBalanceRows[] = {
-    {0.0, {16, 24, 40, 48}, {16, 24, 40, 48}, {256, 256}, {256, 256}, false},
-    {15.0, {16, 24, 40, 40}, {16, 24, 40, 40}, {96, 256}, {256, 96}, true},
+    {0.0, {16, 24, 40, 48}, {16, 24, 40, 48}, {256, 256}, {256, 256}, false, false},
+    {15.0, {16, 24, 40, 40}, {16, 24, 40, 40}, {96, 256}, {256, 96}, true, true},
 };
 
 const BalanceRow& balance_row(const DeviceFigures& device) {
@@ -261,7 +265,9 @@ int fused_ctas_per_sm(const MoeProblem& problem, int num_sms, const MoeConfig& c
   if (!cfg.fused || num_sms <= 0 || !balance_row(device).balance_fused_l1) return 0;
   const bool tile16 = cfg.l1.block_n == kFusedTile.block_n;
   const int occupancy = tile16 ? kFusedTileCtasPerSm : kFusedTile32CtasPerSm;
-  const double items = (tile16 ? tiles.tiles16() : tiles.tiles32()) * static_cast<double>(2 * problem.intermediate_size / 64);
+  // L1 split in K: each slice is an item.
+  const double items = (tile16 ? tiles.tiles16() : tiles.tiles32()) * static_cast<double>(2 * problem.intermediate_size / 64) *
+                       cfg.l1.k_splits;
   const int share = static_cast<int>(std::ceil(items / num_sms - 1e-9));
   return share >= kMinShare && share < occupancy ? share : 0;
 }
@@ -277,6 +283,31 @@ int l2_k_splits(const MoeProblem& problem, int64_t tokens) {
   const bool long_l2_items = problem.intermediate_size / 64 / 2 >= 16;
   const bool small = tokens == 1 || (long_l2_items && can_start_early(problem, tokens));
   return small && !problem.deterministic && problem.intermediate_size % 128 == 0 ? 2 : 1;
+}
+
+// L1 split in two K slices, the tile's last-arriving slice running the SwiGLU
+// (sm90_w4a16_l1_split.h), where L1's expected items are fewer than two per SM. There L1 runs one
+// or two CTAs per SM, and one CTA of a decode tile streams ~10-11 B/ns, a third of an SM's share of
+// the H200's copy rate (Qwen3-30B-A3B T = 1: 192 items on 131 SMs, L1 8.6 us of a 21.5 us layer;
+// docs/perf/2026-11-29-h200-w4a16-v34.md). Two slices give every SM two or three items of half the
+// bytes: expected L1 ~4.5-5.5 us (docs/perf/2026-11-29-h200-w4a16-v41.md, not yet measured). From
+// two items per SM the CTAs already stream near the SM's share, and the split only adds its partial
+// sums and a shorter pipeline per item. Only the decode tiles split (l1_splits), within the
+// workspace's slots, with K in an even number of chunks; the H100's row keeps L1 whole.
+int l1_k_splits(const MoeProblem& problem, int64_t tokens, int num_sms, const MoeConfig& cfg, DecodeTileCounts& tiles,
+                const DeviceFigures& device) {
+  constexpr int kSplits = 2;
+  constexpr double kMaxItemsPerSm = 2.0;
+  const int tile = find_w4a16_tile(cfg.l1);
+  const int64_t slots =
+      tokens * (problem.top_k + problem.shared_intermediate_size / std::max<int64_t>(problem.intermediate_size, 1));
+  if (!balance_row(device).split_l1 || num_sms <= 0 || tile < 0 || !l1_splits(kW4a16Tiles[tile]) ||
+      !w4a16_split::can_split(problem.hidden_size, slots, kSplits)) {
+    return 1;
+  }
+  const bool tile16 = cfg.l1.block_n == kFusedTile.block_n;
+  const double items = (tile16 ? tiles.tiles16() : tiles.tiles32()) * static_cast<double>(2 * problem.intermediate_size / 64);
+  return items < kMaxItemsPerSm * num_sms ? kSplits : 1;
 }
 
 // The absorbing tile in both GEMMs where a remainder of up to 32 tokens per expert is common: the
@@ -323,8 +354,9 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
   cfg.fused = heuristic::fuse_decode16(problem, num_sms, cfg, tiles);
   heuristic::widen_unfused_decode(cfg, tiles);
   if (!cfg.fused) cfg.fused = heuristic::fuse_decode32(problem, num_sms, cfg, tiles);
-  cfg.fused_ctas_per_sm = heuristic::fused_ctas_per_sm(problem, num_sms, cfg, tiles, device);
   cfg.l2.k_splits = heuristic::l2_k_splits(problem, tokens);
+  cfg.l1.k_splits = heuristic::l1_k_splits(problem, tokens, num_sms, cfg, tiles, device);
+  cfg.fused_ctas_per_sm = heuristic::fused_ctas_per_sm(problem, num_sms, cfg, tiles, device);
   // A tiny batch's L1 CTAs start their first items while the dispatch kernel runs: the dispatch
   // (one CTA) and the hand-off leave the critical path (sm90_w4a16_scheduler.cuh, early start).
   cfg.early_start = can_start_early(problem, tokens);

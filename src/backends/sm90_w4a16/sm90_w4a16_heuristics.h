@@ -86,6 +86,10 @@ int fused_ctas_per_sm(const MoeProblem& problem, int num_sms, const MoeConfig& c
                       const DeviceFigures& device);
 // L2's K slices (1 or 2).
 int l2_k_splits(const MoeProblem& problem, int64_t tokens);
+// L1's K slices on the decode tiles (1 or 2; sm90_w4a16_l1_split.h): 2 where L1 has fewer than two
+// items per SM and the device's row asks for it.
+int l1_k_splits(const MoeProblem& problem, int64_t tokens, int num_sms, const MoeConfig& cfg, DecodeTileCounts& tiles,
+                const DeviceFigures& device);
 // Whether the absorbing tile pays in both GEMMs (prefill tiles, a common short remainder).
 bool absorbing_pays(const MoeProblem& problem, int64_t tokens, const MoeConfig& cfg, const DeviceFigures& device);
 // The overlapped 128-token tile from 256 tokens per expert.
@@ -98,7 +102,8 @@ MoeConfig choose_moe_config(const MoeProblem& problem, int64_t tokens, int num_s
 // The heuristic's steps with MoeTuning's overrides in place of the choices they fix: `fused`
 // replaces the launch decision (before the decode tile that depends on it), `absorbing_tile` true
 // runs both GEMMs on the absorbing tile where can_absorb, false leaves it out; `l1_tile` and
-// `l2_tile` replace the tiles last (find_tile_by_name). Never throws: an override that cannot run
+// `l2_tile` replace the tiles last (find_tile_by_name); `l1_k_splits` replaces L1's K slices where L1
+// runs a tile that splits (l1_splits). Never throws: an override that cannot run
 // is reported by moe_config.
 MoeConfig tuned_moe_config(const MoeProblem& problem, int64_t tokens, int num_sms, const DeviceFigures& device,
                            const MoeTuning& tuning);

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "backends/sm90_w4a16/sm90_w4a16_heuristics.h"
+#include "backends/sm90_w4a16/sm90_w4a16_l1_split.h"
 #include "megamoe/gpu.h"
 #include "megamoe/status.h"
 
@@ -69,6 +70,7 @@ MoeConfig tuned_moe_config(const MoeProblem& problem, int64_t tokens, int num_sm
     if (!cfg.fused) cfg.fused = heuristic::fuse_decode32(problem, num_sms, cfg, tiles);
   }
   cfg.l2.k_splits = heuristic::l2_k_splits(problem, tokens);
+  cfg.l1.k_splits = heuristic::l1_k_splits(problem, tokens, num_sms, cfg, tiles, device);
   cfg.early_start = can_start_early(problem, tokens);
   if (!tuning.absorbing_tile && heuristic::absorbing_pays(problem, tokens, cfg, device)) {
     cfg.l1 = kAbsorbingTile;
@@ -99,6 +101,11 @@ MoeConfig tuned_moe_config(const MoeProblem& problem, int64_t tokens, int num_sm
     cfg.early_start = false;
   }
   if (tuning.early_start) cfg.early_start = *tuning.early_start;
+  // L1's K slices where its tile splits (the named tiles and the absorbing tile above start whole).
+  if (tuning.l1_k_splits) {
+    const int tile = find_w4a16_tile(cfg.l1);
+    cfg.l1.k_splits = tile >= 0 && l1_splits(kW4a16Tiles[tile]) ? *tuning.l1_k_splits : 1;
+  }
   cfg.fused_ctas_per_sm = heuristic::fused_ctas_per_sm(problem, num_sms, cfg, tiles, device);
   return cfg;
 }
@@ -137,6 +144,19 @@ MoeConfig moe_config(const MoePlan& plan, int64_t tokens) {
     }
   }
   const MoeConfig cfg = tuned_moe_config(p, tokens, plan.num_sms(), current_device_figures(), tuning);
+  if (tuning.l1_k_splits && *tuning.l1_k_splits != 1) {
+    const int k = *tuning.l1_k_splits;
+    const int64_t slots = tokens * (p.top_k + p.shared_intermediate_size / p.intermediate_size);
+    const int tile = find_w4a16_tile(cfg.l1);
+    MEGAMOE_CHECK(k >= 1 && k <= w4a16_split::kMaxL1KSplits, kInvalidArgument, "MoeTuning.l1_k_splits = ", k,
+                  " is outside 1..", w4a16_split::kMaxL1KSplits);
+    MEGAMOE_CHECK(tile >= 0 && l1_splits(kW4a16Tiles[tile]), kInvalidArgument, "MoeTuning.l1_k_splits = ", k,
+                  ": L1 splits K on the ", kW4a16Tiles[kTileDecode16].name, " and ", kW4a16Tiles[kTileDecode32].name,
+                  " tiles; at T=", tokens, " L1 runs ", cfg.l1.to_string());
+    MEGAMOE_CHECK(w4a16_split::can_split(p.hidden_size, slots, k), kInvalidArgument, "MoeTuning.l1_k_splits = ", k,
+                  ": needs at most ", w4a16_split::kL1SplitMaxSlots, " slots (T=", tokens, " has ", slots,
+                  ") and H / 64 = ", p.hidden_size / 64, " a multiple of it");
+  }
   MEGAMOE_CHECK(!named_tiles || !tuning.fused || !*tuning.fused || cfg.fused, kInvalidArgument,
                 "MoeTuning.fused = true with named tiles needs both GEMMs on one fusable tile (",
                 kW4a16Tiles[kTileDecode16].name, " or ", kW4a16Tiles[kTileDecode32].name, "); they are ", cfg.to_string());
