@@ -285,6 +285,25 @@ TEST(Heuristics, H200SplitsASparseL1InK) {
   MoeProblem odd_k = qwen3;
   odd_k.hidden_size = 2048 + 64;  // 33 chunks
   EXPECT_EQ(h200_config(odd_k, 1).l1.k_splits, 1);
+  // Deterministic mode keeps L1 whole: the split's fp32 grouping differs from the unsplit item's, so
+  // a token's bits would depend on the batch's T (a batch beyond max_tokens run in chunks would
+  // differ from the same batch run whole: tests/python/test_moe.py,
+  // test_batches_beyond_max_tokens_run_in_chunks, whose 8-token tail chunk is this layer at T = 8).
+  MoeProblem det = qwen3;
+  det.deterministic = true;
+  EXPECT_EQ(h200_config(det, 1).l1.k_splits, 1);
+  MoeProblem tail;
+  tail.hidden_size = 128;
+  tail.intermediate_size = 64;
+  tail.num_experts = 8;
+  tail.top_k = 2;
+  tail.max_tokens = 64;
+  EXPECT_EQ(h200_config(tail, 8).l1.k_splits, 2);  // the atomic combine may split
+  tail.deterministic = true;
+  EXPECT_EQ(h200_config(tail, 8).l1.k_splits, 1);
+  MoeTuning forced;
+  forced.l1_k_splits = 2;  // the override still splits a deterministic layer
+  EXPECT_EQ(tuned_moe_config(tail, 8, 132, kH200, forced).l1.k_splits, 2);
   for (const ModelPreset& m : model_presets()) {
     for (const bool shared : {false, true}) {
       MoeProblem p = preset_problem(m.name);

@@ -293,7 +293,11 @@ int l2_k_splits(const MoeProblem& problem, int64_t tokens) {
 // bytes: expected L1 ~4.5-5.5 us (docs/perf/2026-11-29-h200-w4a16-v41.md, not yet measured). From
 // two items per SM the CTAs already stream near the SM's share, and the split only adds its partial
 // sums and a shorter pipeline per item. Only the decode tiles split (l1_splits), within the
-// workspace's slots, with K in an even number of chunks; the H100's row keeps L1 whole.
+// workspace's slots, with K in an even number of chunks; the H100's row keeps L1 whole. Not in
+// deterministic mode (as l2_k_splits): the split groups a tile's fp32 sum differently from the
+// unsplit item, and chosen per T it would make a token's bits depend on the batch's size (a
+// batch beyond max_tokens, run in chunks, would differ from the same batch run whole);
+// MoeTuning::l1_k_splits still splits a deterministic layer.
 int l1_k_splits(const MoeProblem& problem, int64_t tokens, int num_sms, const MoeConfig& cfg, DecodeTileCounts& tiles,
                 const DeviceFigures& device) {
   constexpr int kSplits = 2;
@@ -301,8 +305,8 @@ int l1_k_splits(const MoeProblem& problem, int64_t tokens, int num_sms, const Mo
   const int tile = find_w4a16_tile(cfg.l1);
   const int64_t slots =
       tokens * (problem.top_k + problem.shared_intermediate_size / std::max<int64_t>(problem.intermediate_size, 1));
-  if (!balance_row(device).split_l1 || num_sms <= 0 || tile < 0 || !l1_splits(kW4a16Tiles[tile]) ||
-      !w4a16_split::can_split(problem.hidden_size, slots, kSplits)) {
+  if (problem.deterministic || !balance_row(device).split_l1 || num_sms <= 0 || tile < 0 ||
+      !l1_splits(kW4a16Tiles[tile]) || !w4a16_split::can_split(problem.hidden_size, slots, kSplits)) {
     return 1;
   }
   const bool tile16 = cfg.l1.block_n == kFusedTile.block_n;

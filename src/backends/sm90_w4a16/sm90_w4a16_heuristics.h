@@ -87,7 +87,7 @@ int fused_ctas_per_sm(const MoeProblem& problem, int num_sms, const MoeConfig& c
 // L2's K slices (1 or 2).
 int l2_k_splits(const MoeProblem& problem, int64_t tokens);
 // L1's K slices on the decode tiles (1 or 2; sm90_w4a16_l1_split.h): 2 where L1 has fewer than two
-// items per SM and the device's row asks for it.
+// items per SM and the device's row asks for it; 1 in deterministic mode.
 int l1_k_splits(const MoeProblem& problem, int64_t tokens, int num_sms, const MoeConfig& cfg, DecodeTileCounts& tiles,
                 const DeviceFigures& device);
 // Whether the absorbing tile pays in both GEMMs (prefill tiles, a common short remainder).
