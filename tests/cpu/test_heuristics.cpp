@@ -264,36 +264,38 @@ TEST(Heuristics, L2SplitsKForTinyBatches) {
   EXPECT_EQ(h100_config(odd_slices, 1).l2.k_splits, 1);
 }
 
-// L1 split in K (sm90_w4a16_l1_split.h) on the H200's row where L1 has fewer than two items per
-// SM: Qwen3-30B-A3B T = 1 (192 items on 132 SMs; docs/perf/2026-11-29-h200-w4a16-v41.md). Not at
-// T = 2 (384), not DeepSeek-V3 T = 1 (512), not on fewer SMs than L1 has halves of, never on the
-// H100's figures (their hash is pinned in H100FiguresKeepTheirChoices), never past the
-// workspace's 64 slots or where H / 64 is odd.
+// L1 split in K (sm90_w4a16_l1_split.h) on the H200's row where L1 has fewer than four items per
+// SM and each slice keeps 3584 or more of K: DeepSeek-V3 (and Kimi-K2) routed T = 1, 512 items on
+// 132 SMs (docs/perf/2026-11-29-h200-w4a16-v41.md). Not at T = 2 (~1024), not with the shared
+// expert (576), not on 114 SMs (4.5 per SM), not Qwen3's K of 2048 or 4096 (measured slower),
+// never on the H100's figures (their hash is pinned in H100FiguresKeepTheirChoices), never past
+// the workspace's 64 slots or where H / 64 is odd.
 TEST(Heuristics, H200SplitsASparseL1InK) {
-  const MoeProblem dsv3 = deepseek_v3(), qwen3 = qwen3_30b();
-  EXPECT_EQ(h200_config(qwen3, 1).l1.k_splits, 2);
-  EXPECT_NE(h200_config(qwen3, 1).to_string().find("L1{BLOCK_M=64 BLOCK_N=16 stages=8 k_splits=2}"), std::string::npos)
-      << h200_config(qwen3, 1).to_string();
-  EXPECT_FALSE(h200_config(qwen3, 1).fused);  // the split leaves the launch decision alone
-  EXPECT_EQ(h200_config(qwen3, 1).l2.k_splits, 2);
-  EXPECT_EQ(choose_moe_config(qwen3, 1, 132, kH200Copy).l1.k_splits, 2);
-  EXPECT_EQ(choose_moe_config(qwen3, 1, 132, kH200Quoted).l1.k_splits, 2);
-  EXPECT_EQ(h200_config(qwen3, 2).l1.k_splits, 1);
-  EXPECT_EQ(h200_config(qwen3, 1, 78).l1.k_splits, 1);  // 192 items on 78 SMs: 2.5 per SM
-  EXPECT_EQ(h200_config(routed_only(dsv3), 1).l1.k_splits, 1);
+  const MoeProblem dsv3 = deepseek_v3(), routed = routed_only(deepseek_v3()), qwen3 = qwen3_30b();
+  const MoeConfig t1 = h200_config(routed, 1);
+  EXPECT_EQ(t1.l1.k_splits, 2);
+  EXPECT_NE(t1.to_string().find("k_splits=2"), std::string::npos) << t1.to_string();
+  EXPECT_TRUE(t1.fused);  // the split leaves the launch decision alone
+  EXPECT_EQ(choose_moe_config(routed, 1, 132, kH200Copy).l1.k_splits, 2);
+  EXPECT_EQ(choose_moe_config(routed, 1, 132, kH200Quoted).l1.k_splits, 2);
+  EXPECT_EQ(h200_config(routed_only(preset_problem("kimi-k2")), 1).l1.k_splits, 2);
+  EXPECT_EQ(h200_config(routed, 2).l1.k_splits, 1);
+  EXPECT_EQ(h200_config(routed, 1, 114).l1.k_splits, 1);  // 512 items on 114 SMs: 4.5 per SM
   EXPECT_EQ(h200_config(dsv3, 1).l1.k_splits, 1);
-  MoeProblem odd_k = qwen3;
-  odd_k.hidden_size = 2048 + 64;  // 33 chunks
+  EXPECT_EQ(h200_config(qwen3, 1).l1.k_splits, 1);
+  EXPECT_EQ(h200_config(preset_problem("qwen3-235b-a22b"), 1).l1.k_splits, 1);
+  MoeProblem odd_k = routed;
+  odd_k.hidden_size = 7168 + 64;  // 113 chunks
   EXPECT_EQ(h200_config(odd_k, 1).l1.k_splits, 1);
   // Deterministic mode keeps L1 whole: the split's fp32 grouping differs from the unsplit item's, so
   // a token's bits would depend on the batch's T (a batch beyond max_tokens run in chunks would
-  // differ from the same batch run whole: tests/python/test_moe.py,
-  // test_batches_beyond_max_tokens_run_in_chunks, whose 8-token tail chunk is this layer at T = 8).
-  MoeProblem det = qwen3;
+  // differ from the same batch run whole, as tests/python/test_moe.py,
+  // test_batches_beyond_max_tokens_run_in_chunks, checks on a smaller layer).
+  MoeProblem det = routed;
   det.deterministic = true;
   EXPECT_EQ(h200_config(det, 1).l1.k_splits, 1);
   MoeProblem tail;
-  tail.hidden_size = 128;
+  tail.hidden_size = 7168;
   tail.intermediate_size = 64;
   tail.num_experts = 8;
   tail.top_k = 2;
@@ -338,7 +340,8 @@ TEST(Heuristics, L1SplitOverride) {
   EXPECT_EQ(tuned_moe_config(qwen3, 1, 132, kH200, whole).l1.k_splits, 1);
   EXPECT_EQ(tuned_moe_config(qwen3, 1, 132, kH100, split4).l1.k_splits, 4);
   EXPECT_EQ(tuned_moe_config(qwen3, 1, 132, kH200, split4).l1.k_splits, 4);
-  EXPECT_EQ(tuned_moe_config(qwen3, 1, 132, kH200, MoeTuning{}).l1.k_splits, 2);
+  EXPECT_EQ(tuned_moe_config(qwen3, 1, 132, kH200, MoeTuning{}).l1.k_splits, 1);
+  EXPECT_EQ(tuned_moe_config(routed, 1, 132, kH200, MoeTuning{}).l1.k_splits, 2);
   const MoeConfig dsv3 = tuned_moe_config(routed, 1, 132, kH200, split2);
   EXPECT_TRUE(dsv3.fused);
   EXPECT_EQ(dsv3.l1.k_splits, 2);

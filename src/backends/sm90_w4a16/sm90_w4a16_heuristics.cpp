@@ -286,27 +286,30 @@ int l2_k_splits(const MoeProblem& problem, int64_t tokens) {
 }
 
 // L1 split in two K slices, the tile's last-arriving slice running the SwiGLU
-// (sm90_w4a16_l1_split.h), where L1's expected items are fewer than two per SM. There L1 runs one
-// or two CTAs per SM, and one CTA of a decode tile streams ~10-11 B/ns, a third of an SM's share of
-// the H200's copy rate (Qwen3-30B-A3B T = 1: 192 items on 131 SMs, L1 8.6 us of a 21.5 us layer;
-// docs/perf/2026-11-29-h200-w4a16-v34.md). Two slices give every SM two or three items of half the
-// bytes: expected L1 ~4.5-5.5 us (docs/perf/2026-11-29-h200-w4a16-v41.md, not yet measured). From
-// two items per SM the CTAs already stream near the SM's share, and the split only adds its partial
-// sums and a shorter pipeline per item. Only the decode tiles split (l1_splits), within the
-// workspace's slots, with K in an even number of chunks; the H100's row keeps L1 whole. Not in
-// deterministic mode (as l2_k_splits): the split groups a tile's fp32 sum differently from the
-// unsplit item, and chosen per T it would make a token's bits depend on the batch's size (a
+// (sm90_w4a16_l1_split.h), where L1's expected items are fewer than four per SM and each slice
+// keeps at least 3584 of K. Below four items per SM the fused decode grid runs fewer CTAs than the
+// occupancy allows (v39's cap), and the split's twice as many half items fill it; a slice of 28 or
+// more 128-wide K blocks amortizes the split's partial stores and last-arriver epilogue. Measured
+// on the H200 (docs/perf/2026-11-29-h200-w4a16-v41.md, --l1-k-splits 1 vs 2, two rounds):
+// DeepSeek-V3 routed T = 1 (3.9 items per SM, K = 7168) 71.4 -> 67.5 us; slower by 3% at T = 2
+// and 4 (7.8 and 15 per SM); Qwen3-235B-A22B T = 1 (2.9 per SM, K = 4096) and Qwen3-30B-A3B
+// T = 1 (1.5 per SM, K = 2048) slower by 1.5% and 4%. Only the decode tiles split (l1_splits),
+// within the workspace's slots, with K in an even number of chunks; the H100's row keeps L1 whole.
+// Not in deterministic mode (as l2_k_splits): the split groups a tile's fp32 sum differently from
+// the unsplit item, and chosen per T it would make a token's bits depend on the batch's size (a
 // batch beyond max_tokens, run in chunks, would differ from the same batch run whole);
 // MoeTuning::l1_k_splits still splits a deterministic layer.
 int l1_k_splits(const MoeProblem& problem, int64_t tokens, int num_sms, const MoeConfig& cfg, DecodeTileCounts& tiles,
                 const DeviceFigures& device) {
   constexpr int kSplits = 2;
-  constexpr double kMaxItemsPerSm = 2.0;
+  constexpr double kMaxItemsPerSm = 4.0;
+  constexpr int64_t kMinSliceK = 3584;
   const int tile = find_w4a16_tile(cfg.l1);
   const int64_t slots =
       tokens * (problem.top_k + problem.shared_intermediate_size / std::max<int64_t>(problem.intermediate_size, 1));
   if (problem.deterministic || !balance_row(device).split_l1 || num_sms <= 0 || tile < 0 ||
-      !l1_splits(kW4a16Tiles[tile]) || !w4a16_split::can_split(problem.hidden_size, slots, kSplits)) {
+      !l1_splits(kW4a16Tiles[tile]) || problem.hidden_size / kSplits < kMinSliceK ||
+      !w4a16_split::can_split(problem.hidden_size, slots, kSplits)) {
     return 1;
   }
   const bool tile16 = cfg.l1.block_n == kFusedTile.block_n;
