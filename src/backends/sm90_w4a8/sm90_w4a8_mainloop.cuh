@@ -98,6 +98,23 @@ __device__ __forceinline__ void wgmma_e4m3(const uint32_t (&a)[4], uint64_t desc
   ptx::WgmmaRSE4m3<kBlockN>::Op::fma(a[0], a[1], a[2], a[3], desc, d[I]..., kAccumulate ? ScaleOut::One : ScaleOut::Zero);
 }
 
+// acc += part * 2^e per token (docs/w4a8.md §4's promotion), on one warpgroup's (64, kBlockN)
+// fragments: acc[4i + 2h + c] is token column 8i + 2t + c, so one 8-byte read of `exps` (the
+// block's exponents from the item's first token) per i gives both columns', for both rows h.
+template <int kBlockN>
+__device__ __forceinline__ void promote_partial(const float (&part)[kBlockN / 2], const int32_t* exps, int t,
+                                                float (&acc)[kBlockN / 2]) {
+  #pragma unroll
+  for (int i = 0; i < kBlockN / 8; ++i) {
+    const int2 e = *reinterpret_cast<const int2*>(exps + 8 * i + 2 * t);
+    const float s0 = w4a8::exp2i(e.x), s1 = w4a8::exp2i(e.y);
+    acc[4 * i] = fmaf(part[4 * i], s0, acc[4 * i]);
+    acc[4 * i + 1] = fmaf(part[4 * i + 1], s1, acc[4 * i + 1]);
+    acc[4 * i + 2] = fmaf(part[4 * i + 2], s0, acc[4 * i + 2]);
+    acc[4 * i + 3] = fmaf(part[4 * i + 3], s1, acc[4 * i + 3]);
+  }
+}
+
 // acc = x_item . W_tileᵀ of the item's 64-row tile (w.m_block), every K: acc[4i + 2h + c] is
 // (row r0 + 8h, token column 8i + 2t + c), r0 = 16 warp + g, in units of the weights' e4m3
 // values times the activations' (s2 * 2^k is the epilogue's). The caller's CTA barrier separates
@@ -169,18 +186,7 @@ __device__ __forceinline__ void w4a8_item_mainloop(const W4a8GemmParams& p, cons
     }
     ptx::wgmma_commit();
     ptx::wgmma_wait_all();
-    // acc[4i + 2h + c] is token column 8i + 2t + c: one 8-byte read per i gives both columns'
-    // exponents, for both rows h.
-    const int32_t* exps = reinterpret_cast<const int32_t*>(st + Smem::kExpOffset);
-    #pragma unroll
-    for (int i = 0; i < kBlockN / 8; ++i) {
-      const int2 e = *reinterpret_cast<const int2*>(exps + 8 * i + 2 * t);
-      const float s0 = w4a8::exp2i(e.x), s1 = w4a8::exp2i(e.y);
-      acc[4 * i] = fmaf(part[4 * i], s0, acc[4 * i]);
-      acc[4 * i + 1] = fmaf(part[4 * i + 1], s1, acc[4 * i + 1]);
-      acc[4 * i + 2] = fmaf(part[4 * i + 2], s0, acc[4 * i + 2]);
-      acc[4 * i + 3] = fmaf(part[4 * i + 3], s1, acc[4 * i + 3]);
-    }
+    promote_partial<kBlockN>(part, reinterpret_cast<const int32_t*>(st + Smem::kExpOffset), t, acc);
   }
 }
 

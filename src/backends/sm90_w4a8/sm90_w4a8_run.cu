@@ -95,40 +95,32 @@ W4a8Config w4a8_config(const MoePlan& plan, int64_t tokens) { return w4a8_config
 
 namespace {
 
-template <bool kIsL1, int kBlockN>
+// One GEMM kernel with its CTA size and dynamic shared memory; its occupancy, read once.
+template <auto kKernel, int kCtaThreads, int kSmemBytes>
 struct W4a8Kernel {
-  using Smem = k90::W4a8SmemLayout<kBlockN>;
-  static constexpr auto kernel = &k90::w4a8_grouped_gemm_kernel<kIsL1, kBlockN>;
   static int blocks_per_sm() {
-    static const int n = prepare_kernel(kernel, k90::detail::kW4a8Threads, Smem::kAllocBytes);
+    static const int n = prepare_kernel(kKernel, kCtaThreads, kSmemBytes);
     return n;
   }
+  static void launch(const k90::W4a8GemmParams& params, int num_sms, int64_t max_work, cudaStream_t stream) {
+    const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(int64_t{num_sms} * blocks_per_sm(), max_work));
+    launch_dependent(kKernel, static_cast<unsigned>(ctas), kCtaThreads, kSmemBytes, stream, params);
+  }
 };
-
+template <bool kIsL1, int kBlockN>
+using W4a8OneWarpgroup = W4a8Kernel<&k90::w4a8_grouped_gemm_kernel<kIsL1, kBlockN>, k90::detail::kW4a8Threads,
+                                    k90::W4a8SmemLayout<kBlockN>::kAllocBytes>;
 template <bool kIsL1, int kMTiles>
-struct W4a8WsKernel {
-  using Smem = k90::detail::W4a8WsLayout<kMTiles>;
-  static constexpr auto kernel = &k90::w4a8_ws_gemm_kernel<kIsL1, kMTiles>;
-  static int blocks_per_sm() {
-    static const int n = prepare_kernel(kernel, k90::detail::kW4a8WsThreads, Smem::kAllocBytes);
-    return n;
-  }
-};
-
-template <class K>
-void launch_gemm(const k90::W4a8GemmParams& params, int threads, int num_sms, int64_t max_work, cudaStream_t stream) {
-  const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>(int64_t{num_sms} * K::blocks_per_sm(), max_work));
-  launch_dependent(K::kernel, static_cast<unsigned>(ctas), threads, K::Smem::kAllocBytes, stream, params);
-}
+using W4a8WarpSpecialized = W4a8Kernel<&k90::w4a8_ws_gemm_kernel<kIsL1, kMTiles>, k90::detail::kW4a8WsThreads,
+                                       k90::detail::W4a8WsLayout<kMTiles>::kAllocBytes>;
 
 template <bool kIsL1>
 void launch_gemm(int tile, const k90::W4a8GemmParams& params, int num_sms, int64_t max_work, cudaStream_t stream) {
-  constexpr int kOne = k90::detail::kW4a8Threads, kWs = k90::detail::kW4a8WsThreads;
   switch (tile) {
-    case kW4a8TileNarrow32: return launch_gemm<W4a8Kernel<kIsL1, 32>>(params, kOne, num_sms, max_work, stream);
-    case kW4a8TileSingle128: return launch_gemm<W4a8Kernel<kIsL1, 128>>(params, kOne, num_sms, max_work, stream);
-    case kW4a8TileTall128: return launch_gemm<W4a8WsKernel<kIsL1, 2>>(params, kWs, num_sms, max_work, stream);
-    default: return launch_gemm<W4a8WsKernel<kIsL1, 1>>(params, kWs, num_sms, max_work, stream);
+    case kW4a8TileNarrow32: return W4a8OneWarpgroup<kIsL1, 32>::launch(params, num_sms, max_work, stream);
+    case kW4a8TileSingle128: return W4a8OneWarpgroup<kIsL1, 128>::launch(params, num_sms, max_work, stream);
+    case kW4a8TileTall128: return W4a8WarpSpecialized<kIsL1, 2>::launch(params, num_sms, max_work, stream);
+    default: return W4a8WarpSpecialized<kIsL1, 1>::launch(params, num_sms, max_work, stream);
   }
 }
 
@@ -228,14 +220,14 @@ void run_sm90_w4a8(const MoePlan& plan, const Sm90PrepackedWeights& w, const Moe
 }
 
 void load_w4a8_kernels() {
-  W4a8Kernel<true, 32>::blocks_per_sm();
-  W4a8Kernel<false, 32>::blocks_per_sm();
-  W4a8Kernel<true, 128>::blocks_per_sm();
-  W4a8Kernel<false, 128>::blocks_per_sm();
-  W4a8WsKernel<true, 1>::blocks_per_sm();
-  W4a8WsKernel<false, 1>::blocks_per_sm();
-  W4a8WsKernel<true, 2>::blocks_per_sm();
-  W4a8WsKernel<false, 2>::blocks_per_sm();
+  W4a8OneWarpgroup<true, 32>::blocks_per_sm();
+  W4a8OneWarpgroup<false, 32>::blocks_per_sm();
+  W4a8OneWarpgroup<true, 128>::blocks_per_sm();
+  W4a8OneWarpgroup<false, 128>::blocks_per_sm();
+  W4a8WarpSpecialized<true, 1>::blocks_per_sm();
+  W4a8WarpSpecialized<false, 1>::blocks_per_sm();
+  W4a8WarpSpecialized<true, 2>::blocks_per_sm();
+  W4a8WarpSpecialized<false, 2>::blocks_per_sm();
   cudaFuncAttributes a{};
   gpu::check_cuda(cudaFuncGetAttributes(&a, reinterpret_cast<const void*>(&w4a8::quantize_act_kernel<__nv_bfloat16>)),
                   "load quantize_act_kernel<bf16>");

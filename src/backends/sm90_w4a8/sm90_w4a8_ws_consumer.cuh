@@ -1,7 +1,8 @@
 // A consumer warpgroup of the warp-specialized W4A8 tile (sm90_w4a8_ws_layout.cuh): per 128-K
 // block, its decoded A fragments loaded from shared memory and four m64n128k32 fp8 wgmmas (B: its
-// 128 tokens' rows in shared memory) into a partial P, then acc += P * 2^e per token (docs/w4a8.md §4), then the stage goes back to the
-// producer; after the item's last block, the one-warpgroup tile's epilogue on its 64 x 128 part.
+// 128 tokens' rows in shared memory) into a partial P, then the one-warpgroup tile's promotion
+// (acc += P * 2^e per token, docs/w4a8.md §4), then the stage goes back to the producer; after the
+// item's last block, the one-warpgroup tile's epilogue on its 64 x 128 part.
 #pragma once
 
 #include <cstdint>
@@ -10,21 +11,13 @@
 #include "backends/sm90_w4a16/sm90_w4a16_scheduler.cuh"
 #include "backends/sm90_w4a8/sm90_w4a8_act_quant.cuh"
 #include "backends/sm90_w4a8/sm90_w4a8_epilogue.cuh"
+#include "backends/sm90_w4a8/sm90_w4a8_mainloop.cuh"
 #include "backends/sm90_w4a8/sm90_w4a8_params.cuh"
 #include "backends/sm90_w4a8/sm90_w4a8_ws_layout.cuh"
 #include "kernels/common/ptx_mbarrier.cuh"
 #include "kernels/common/ptx_wgmma_e4m3.cuh"
 
 namespace megamoe::kernels::sm90::detail {
-
-// d = a . b (kAccumulate false: d's old values are not read) or d += a . b; A from registers.
-template <bool kAccumulate, size_t... I>
-__device__ __forceinline__ void wgmma_e4m3_rs(const uint4& a, uint64_t desc_b, float (&d)[kW4a8WsConsumerTokens / 2],
-                                              std::index_sequence<I...>) {
-  using cute::SM90::GMMA::ScaleOut;
-  ptx::WgmmaRSE4m3<kW4a8WsConsumerTokens>::Op::fma(a.x, a.y, a.z, a.w, desc_b, d[I]...,
-                                                   kAccumulate ? ScaleOut::One : ScaleOut::Zero);
-}
 
 // Consumer c (0 or 1) over the CTA's items (the producer's sequence). acc[4i + 2h + c'] is
 // (row r0 + 8h, token column 8i + 2t + c') of its part, r0 = 16 warp + g.
@@ -51,32 +44,23 @@ __device__ __forceinline__ void w4a8_ws_consume(const W4a8GemmParams& p, uint8_t
       const int s = j % kStages;
       ptx::mbarrier_wait(L::full_bar(base, s), (j / kStages) & 1);
       const uint8_t* st = smem + s * L::kStageBytes;
-      uint4 a[4];
+      uint32_t a[4][4];
       #pragma unroll
       for (int f = 0; f < 4; ++f) {
-        a[f] = *reinterpret_cast<const uint4*>(st + a_offset + f * w4a16::kThreadsPerWarpgroup * 16);
+        *reinterpret_cast<uint4*>(a[f]) = *reinterpret_cast<const uint4*>(st + a_offset + f * w4a16::kThreadsPerWarpgroup * 16);
       }
       const uint64_t desc_b = ptx::make_sw128_desc(st + b_offset);
       float part[kN / 2];
       ptx::wgmma_fence();
       // k32 step f starts 32 bytes further into each swizzled row (16-byte units in the descriptor).
-      wgmma_e4m3_rs<false>(a[0], desc_b, part, std::make_index_sequence<kN / 2>{});
+      wgmma_e4m3<kN, false>(a[0], desc_b, part, std::make_index_sequence<kN / 2>{});
       #pragma unroll
       for (int f = 1; f < 4; ++f) {
-        wgmma_e4m3_rs<true>(a[f], desc_b + 2 * f, part, std::make_index_sequence<kN / 2>{});
+        wgmma_e4m3<kN, true>(a[f], desc_b + 2 * f, part, std::make_index_sequence<kN / 2>{});
       }
       ptx::wgmma_commit();
       ptx::wgmma_wait_all();
-      const int32_t* exps = reinterpret_cast<const int32_t*>(st + L::kExpOffset) + token0;
-      #pragma unroll
-      for (int i = 0; i < kN / 8; ++i) {
-        const int2 e = *reinterpret_cast<const int2*>(exps + 8 * i + 2 * t);
-        const float s0 = w4a8::exp2i(e.x), s1 = w4a8::exp2i(e.y);
-        acc[4 * i] = fmaf(part[4 * i], s0, acc[4 * i]);
-        acc[4 * i + 1] = fmaf(part[4 * i + 1], s1, acc[4 * i + 1]);
-        acc[4 * i + 2] = fmaf(part[4 * i + 2], s0, acc[4 * i + 2]);
-        acc[4 * i + 3] = fmaf(part[4 * i + 3], s1, acc[4 * i + 3]);
-      }
+      promote_partial<kN>(part, reinterpret_cast<const int32_t*>(st + L::kExpOffset) + token0, t, acc);
       ptx::mbarrier_arrive(L::empty_bar(base, s));
     }
     // This consumer's part as a one-warpgroup item: its 64-row tile, or its 128 tokens.
