@@ -480,22 +480,27 @@ TEST(Heuristics, DecodeFusesTheGemmsWhenL1EndsInAPartialWave) {
 // On the H200 the fused launch's grid holds L1's items per SM, rounded up, from four to below the
 // tile's occupancy (docs/perf/2026-11-29-h200-w4a16-v39.md): DeepSeek-V3 routed T = 1 has 512 L1
 // items (3.9 per SM), the whole layer 576 (4.4); from T = 2 they fill the occupancy, and a forced
-// fused Qwen3-30B-A3B T = 1 (1.5 per SM) keeps it. The H100 row keeps the occupancy.
+// fused Qwen3-30B-A3B T = 1 (1.5 per SM) keeps it. The H100 row keeps the occupancy. (The routed
+// layer at T = 1 is split in K by default, H200SplitsASparseL1InK: its 1024 slices fill the
+// occupancy, so the cap is seen with L1 kept whole.)
 TEST(Heuristics, H200FusedGridHoldsL1SharePerSm) {
   const MoeProblem dsv3 = deepseek_v3(), qwen3 = qwen3_30b();
   MoeProblem routed = dsv3;
   routed.shared_intermediate_size = 0;
-  EXPECT_EQ(h200_config(routed, 1).fused_ctas_per_sm, 4);
-  EXPECT_NE(h200_config(routed, 1).to_string().find(" ctas/SM=4"), std::string::npos);
+  MoeTuning whole;
+  whole.l1_k_splits = 1;
+  const MoeConfig t1 = tuned_moe_config(routed, 1, 132, kH200, whole);
+  EXPECT_EQ(t1.fused_ctas_per_sm, 4);
+  EXPECT_NE(t1.to_string().find(" ctas/SM=4"), std::string::npos);
+  EXPECT_EQ(h200_config(routed, 1).fused_ctas_per_sm, 0);  // split: 1024 items
   EXPECT_EQ(h200_config(dsv3, 1).fused_ctas_per_sm, 5);
-  EXPECT_EQ(choose_moe_config(routed, 1, 132, kH200Copy).fused_ctas_per_sm, 4);
+  EXPECT_EQ(tuned_moe_config(routed, 1, 132, kH200Copy, whole).fused_ctas_per_sm, 4);
   for (int64_t T : {2, 3, 4}) {
     EXPECT_TRUE(h200_config(routed, T).fused) << T;
     EXPECT_EQ(h200_config(routed, T).fused_ctas_per_sm, 0) << T;
   }
   EXPECT_EQ(tuned_moe_config(qwen3, 1, 132, kH200, fused(true)).fused_ctas_per_sm, 0);  // 2 per SM
   EXPECT_EQ(tuned_moe_config(qwen3, 2, 132, kH200, fused(true)).fused_ctas_per_sm, 0);  // 3 per SM
-  EXPECT_EQ(tuned_moe_config(routed, 1, 132, kH200, MoeTuning{}).fused_ctas_per_sm, 4);
   EXPECT_EQ(tuned_moe_config(routed, 1, 132, kH200, fused(false)).fused_ctas_per_sm, 0);  // two launches
   for (int64_t T : {1, 2, 4, 16, 64, 256}) {
     EXPECT_EQ(h100_config(routed, T).fused_ctas_per_sm, 0) << T;
