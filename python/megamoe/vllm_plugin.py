@@ -138,7 +138,8 @@ class MegaMoeExperts(mk.FusedMoEExpertsModular):
         if reason is not None:
             return refuse(reason)
         if not cls._supports_activation(moe_config.activation):
-            return refuse(f"{moe_config.activation} activation (SiLU-gated experts only)")
+            return refuse(f"activation {moe_config.activation.value!r} (SiLU-gated experts only: "
+                          "silu(gate) * up)")
         supported, reason = mk.FusedMoEExperts.is_supported_config(
             cls, moe_config, weight_key, activation_key, activation_format)
         if not supported:
@@ -199,9 +200,12 @@ def _activation_format(moe: FusedMoEConfig) -> mk.FusedMoEActivationFormat:
             else mk.FusedMoEActivationFormat.Standard)
 
 
-class MegaMoeNvFp4MoEMethod(ModelOptNvFp4FusedMoE):
+class ModelOptNvFp4MegaMoeMethod(ModelOptNvFp4FusedMoE):
     """ModelOpt's NVFP4 MoE method (its weights, names and loader) without vLLM's backend oracle
-    and weight conversion: the layer runs :class:`MegaMoeExperts` in a ``FusedMoEKernel``."""
+    and weight conversion: the layer runs :class:`MegaMoeExperts` in a ``FusedMoEKernel``.
+
+    The name must contain "ModelOpt": vLLM's expert weight loader picks the ModelOpt scale rules by
+    the method's class name."""
 
     def __init__(self, quant_config: ModelOptNvFp4Config, moe_config: FusedMoEConfig) -> None:
         # ModelOptNvFp4FusedMoE.__init__ would pick one of vLLM's backends: skip it.
@@ -253,7 +257,7 @@ class MegaMoeNvFp4Config(ModelOptNvFp4Config):
     """ModelOpt NVFP4 (``quant_algo`` NVFP4 or W4A16_NVFP4) with the MoE layers on megamoe; only
     when asked for by name (``--quantization nvfp4_megamoe``), never by the checkpoint alone."""
 
-    FusedMoEMethodCls = MegaMoeNvFp4MoEMethod
+    FusedMoEMethodCls = ModelOptNvFp4MegaMoeMethod
 
     def get_name(self):
         return QUANTIZATION_NAME
@@ -267,7 +271,16 @@ class MegaMoeNvFp4Config(ModelOptNvFp4Config):
         if user_quant != QUANTIZATION_NAME:
             return None
         algo = cls._extract_modelopt_quant_algo(hf_quant_cfg)
-        return QUANTIZATION_NAME if algo in algos_owned_by("modelopt_fp4") else None
+        allowed = algos_owned_by("modelopt_fp4")
+        if algo in allowed:
+            return QUANTIZATION_NAME
+        # Refused here, by name: vLLM's own overrides would otherwise run some checkpoints (ModelOpt
+        # FP8) with another method than the one asked for, without a word.
+        method = (hf_quant_cfg or {}).get("quant_method")
+        raise ValueError(
+            f"--quantization {QUANTIZATION_NAME} runs ModelOpt NVFP4 checkpoints (quant_method "
+            f"modelopt, quant_algo {' or '.join(allowed)}); this one has quant_method {method!r}"
+            + (f", quant_algo {algo!r}" if algo else ""))
 
 
 _registered = False
