@@ -278,7 +278,8 @@ TEST(GpuEpLoopback, WorldSizeOneIsTheSingleGpuLayer) {
 }
 
 // Two layers of different shapes on one group per rank (one window, one scratch), run in turns
-// as a model's layers are: each matches its reference, and the second layer adds no window.
+// as a model's layers are: each matches its reference, and the second layer, smaller in H, E,
+// top-k and no larger in I (the workspace's L1 buffers scale with I), adds no window or scratch.
 TEST(GpuEpLoopback, LayersShareOneGroup) {
   MEGAMOE_REQUIRE_GPU();
   const testing::SeedTrace seed;
@@ -287,7 +288,7 @@ TEST(GpuEpLoopback, LayersShareOneGroup) {
   if (!loopback_available(R)) return;
   const int64_t max_t = 8;
   const MoeLayer big = testing::random_layer(rng, 512, 256, 32, 6, 256);
-  const MoeLayer small = testing::random_layer(rng, 256, 512, 16, 4);
+  const MoeLayer small = testing::random_layer(rng, 256, 256, 16, 4);
   const EpLoopback loopback = EpLoopback::create(R);
   std::vector<EpGroup> groups;
   std::vector<MoeEpLayer> first, second;
