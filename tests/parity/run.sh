@@ -21,25 +21,10 @@ if [ ! -x "${MEGAMOE_BIN}" ]; then
   exit 1
 fi
 
-PYTHON="${PYTHON:-python3}"
-KEY="$( { cat "${HERE}/requirements.txt"; "${PYTHON}" -c 'import sys; print(sys.version)'; } |
-        sha256sum | cut -c1-16)"
-CACHE="${MEGAMOE_PARITY_CACHE:-${XDG_CACHE_HOME:-${HOME}/.cache}/megamoe-parity}"
-VENV="${CACHE}/venv-${KEY}"
-if [ ! -f "${VENV}/.complete" ]; then
-  echo "parity: building the virtual environment ${VENV} (first run for these pins)" >&2
-  mkdir -p "${CACHE}"
-  for old in "${CACHE}"/venv-*; do
-    [ -e "${old}" ] && [ "${old}" != "${VENV}" ] && rm -rf "${old}"
-  done
-  rm -rf "${VENV}"
-  start=${SECONDS}
-  "${PYTHON}" -m venv "${VENV}"
-  "${VENV}/bin/pip" install --no-input --disable-pip-version-check --quiet \
-    -r "${HERE}/requirements.txt"
-  touch "${VENV}/.complete"
-  echo "parity: virtual environment ready in $((SECONDS - start)) s" >&2
-fi
+# shellcheck source=../../scripts/cached_venv.sh
+source "${ROOT}/scripts/cached_venv.sh"
+cached_venv parity "${HERE}/requirements.txt" \
+  "${MEGAMOE_PARITY_CACHE:-${XDG_CACHE_HOME:-${HOME}/.cache}/megamoe-parity}"
 
 WORK="${PARITY_WORK:-}"
 if [ -z "${WORK}" ]; then

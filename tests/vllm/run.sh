@@ -15,25 +15,10 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 ROOT="$(cd "${HERE}/../.." && pwd)"
 
-PYTHON="${PYTHON:-python3}"
-KEY="$( { cat "${HERE}/requirements.txt"; "${PYTHON}" -c 'import sys; print(sys.version)'; } |
-        sha256sum | cut -c1-16)"
-CACHE="${MEGAMOE_VLLM_CACHE:-${XDG_CACHE_HOME:-${HOME}/.cache}/megamoe-vllm}"
-VENV="${CACHE}/venv-${KEY}"
-if [ ! -f "${VENV}/.complete" ]; then
-  echo "vllm: building the virtual environment ${VENV} (first run for these pins)" >&2
-  mkdir -p "${CACHE}"
-  for old in "${CACHE}"/venv-*; do
-    [ -e "${old}" ] && [ "${old}" != "${VENV}" ] && rm -rf "${old}"
-  done
-  rm -rf "${VENV}"
-  start=${SECONDS}
-  "${PYTHON}" -m venv "${VENV}"
-  "${VENV}/bin/pip" install --no-input --disable-pip-version-check --quiet \
-    -r "${HERE}/requirements.txt"
-  touch "${VENV}/.complete"
-  echo "vllm: virtual environment ready in $((SECONDS - start)) s" >&2
-fi
+# shellcheck source=../../scripts/cached_venv.sh
+source "${ROOT}/scripts/cached_venv.sh"
+cached_venv vllm "${HERE}/requirements.txt" \
+  "${MEGAMOE_VLLM_CACHE:-${XDG_CACHE_HOME:-${HOME}/.cache}/megamoe-vllm}"
 
 cd "${HERE}"
 # No hub, no telemetry, no GPU: the suite builds its layers here. VLLM_PLUGINS is left unset so
