@@ -12,6 +12,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from ._precision import PRECISIONS, check_precision  # noqa: F401  (megamoe.PRECISIONS; used by ep, module)
+
 _LIBRARY_NAME = "libmegamoe_torch.so"
 
 
@@ -24,19 +26,6 @@ def _library_path() -> str:
 torch.ops.load_library(_library_path())
 
 ops = torch.ops.megamoe
-
-# The precision names every API takes (megamoe/precision.h): "w4a16" is the exact path and the
-# default. Which of them a build runs on the GPU: README "Precision".
-PRECISIONS = ("w4a16", "w4a8", "auto")
-
-
-def check_precision(precision, where: str) -> str:
-    """``precision`` if it is one of :data:`PRECISIONS`, else ValueError naming the allowed ones."""
-    if not isinstance(precision, str) or precision not in PRECISIONS:
-        raise ValueError(f"{where}: precision {precision!r} is not supported; allowed: "
-                         f"{', '.join(repr(p) for p in PRECISIONS)} (w4a16, the exact path, is the "
-                         "default)")
-    return precision
 
 
 # Names of the shared-expert arguments of moe_prepare and fused_moe_nvfp4, in order.

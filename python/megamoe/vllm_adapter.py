@@ -16,13 +16,14 @@ from typing import Optional, Protocol
 
 import torch
 
+from ._precision import check_precision
+
 # MoePlan's rules (megamoe/runtime.h): H and I multiples of 64, 1..1024 experts, top_k 1..min(E, 16).
 SHAPE_MULTIPLE = 64
 MAX_EXPERTS = 1024
 MAX_TOP_K = 16
 # The GPUs the kernels are built for (sm_90a).
 SUPPORTED_CAPABILITY = (9, 0)
-PRECISIONS = ("w4a16", "w4a8", "auto")
 
 # The stacked tensors in the op's argument order, named as vLLM's ModelOpt layer names them.
 VLLM_NAMES = ("w13_weight", "w13_weight_scale", "w13_weight_scale_2", "w2_weight",
@@ -183,9 +184,7 @@ class PreparedExperts:
                  workspace: Optional[SharedWorkspace] = SHARED_WORKSPACE):
         if max_tokens < 1:
             raise ValueError(f"megamoe: max_tokens = {max_tokens}; it must be at least 1")
-        if precision not in PRECISIONS:
-            raise ValueError(f"megamoe: precision {precision!r} is not supported; allowed: "
-                             f"{', '.join(map(repr, PRECISIONS))}")
+        check_precision(precision, "megamoe")
         self.backend = backend if backend is not None else MegaMoeOps()
         self.tensors = tuple(tensors[n] for n in ("w13", "w13_scale", "w13_scale_2", "w2",
                                                   "w2_scale", "w2_scale_2"))
