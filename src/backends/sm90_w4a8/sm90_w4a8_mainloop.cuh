@@ -49,45 +49,56 @@ namespace detail {
 
 inline constexpr int kW4a8Threads = w4a16::kThreadsPerWarpgroup;
 
-// The item's B rows (token rows in L1, slot rows in L2) this thread copies, piece j of row
-// (tid + 128 j) / 8; -1 past the item's slots (zero-filled).
+// This thread's copy sources of the item's next block, advanced by one block per copy (loop-carried,
+// so that a block's copies cost one add per source: recomputing them from the rows and the
+// expert each block was a third of the K loop's instructions). B piece j is 16 bytes of row
+// (tid + 128 j) / 8 (token rows in L1, slot rows in L2), zero-filled past the item's slots; the
+// exponent is this thread's token's (first kBlockN threads).
 template <bool kIsL1, int kBlockN>
-struct W4a8BRows {
+struct W4a8CopySrc {
   static constexpr int kPieces = kBlockN * 8 / kW4a8Threads;
-  int32_t row[kPieces];
+  const uint8_t* b[kPieces];  // row 0 where invalid
+  const uint8_t* codes;       // this thread's 16 bytes of the first chunk
+  const uint8_t* scales;      // this thread's 16-byte piece of the scales (first 32 threads)
+  const int32_t* exponent;    // row 0 where invalid
+  uint32_t b_valid;           // bit j: piece j's row is one of the item's slots
+  bool exp_valid;
 };
 
-// This thread's share of the copies of block kb into `stage`: B codes (16-byte pieces, 128-byte
-// swizzle: piece c of row r lands at c ^ (r % 8)), its own 16 weight-code bytes of each chunk,
+// B piece j of a thread lands at row r = tid / 8 + 16 j, 16-byte column c = tid % 8, swizzled
+// to c ^ (r % 8); 16 j does not change r % 8, so each piece is this offset plus j * 2048.
+__device__ __forceinline__ uint32_t b_piece_smem_offset(int tid) {
+  const int r = tid / 8, c = tid % 8;
+  return static_cast<uint32_t>(r * 128 + ((c ^ (r & 7)) * 16));
+}
+
+// This thread's share of the copies of the next block into `stage`, then `src` moves to the block
+// after: B codes (16-byte pieces, 128-byte swizzle), its own 16 weight-code bytes of each chunk,
 // for the first 32 threads one 16-byte piece of the weight scales, for the first kBlockN threads
 // its token's exponent.
 template <bool kIsL1, int kBlockN>
-__device__ __forceinline__ void copy_block(const W4a8GemmParams& p, const W4a8BRows<kIsL1, kBlockN>& rows,
-                                           int32_t exp_row, const uint8_t* codes, const uint8_t* scales, int kb, int K,
-                                           uint32_t stage_base, int tid) {
+__device__ __forceinline__ void copy_block(W4a8CopySrc<kIsL1, kBlockN>& src, uint32_t b_smem, uint32_t stage_base,
+                                           int tid) {
   using Smem = W4a8SmemLayout<kBlockN>;
   #pragma unroll
-  for (int j = 0; j < W4a8BRows<kIsL1, kBlockN>::kPieces; ++j) {
-    const int i = tid + j * kW4a8Threads, r = i / 8, c = i % 8;
-    const bool valid = rows.row[j] >= 0;
-    const uint8_t* src = p.b_codes + static_cast<int64_t>(valid ? rows.row[j] : 0) * K + kb * w4a8::kActBlock + c * 16;
-    ptx::cp_async_16(stage_base + r * 128 + ((c ^ (r & 7)) * 16), src, valid);
+  for (int j = 0; j < W4a8CopySrc<kIsL1, kBlockN>::kPieces; ++j) {
+    ptx::cp_async_16(stage_base + b_smem + j * (kW4a8Threads / 8) * 128, src.b[j], (src.b_valid >> j) & 1u);
+    src.b[j] += w4a8::kActBlock;
   }
   #pragma unroll
   for (int c = 0; c < 2; ++c) {
     ptx::cp_async_16(stage_base + Smem::kWCodeOffset + c * w4a16::kCodeBytesPerTile + tid * 16,
-                     codes + (2 * kb + c) * w4a16::kCodeBytesPerTile + tid * 16, true);
+                     src.codes + c * w4a16::kCodeBytesPerTile, true);
   }
+  src.codes += 2 * w4a16::kCodeBytesPerTile;
   if (tid < Smem::kWScaleBytes / 16) {
-    const int c = tid / (w4a16::kScaleBytesPerTile / 16), piece = tid % (w4a16::kScaleBytesPerTile / 16);
-    ptx::cp_async_16(stage_base + Smem::kWScaleOffset + tid * 16,
-                     scales + (2 * kb + c) * w4a16::kScaleBytesPerTile + piece * 16, true);
+    ptx::cp_async_16(stage_base + Smem::kWScaleOffset + tid * 16, src.scales, true);
   }
+  src.scales += 2 * w4a16::kScaleBytesPerTile;
   if (tid < kBlockN) {
-    const bool valid = exp_row >= 0;
-    ptx::cp_async_4(stage_base + Smem::kExpOffset + tid * 4,
-                    p.b_exponents + static_cast<int64_t>(valid ? exp_row : 0) * (K / w4a8::kActBlock) + kb, valid);
+    ptx::cp_async_4(stage_base + Smem::kExpOffset + tid * 4, src.exponent, src.exp_valid);
   }
+  src.exponent += 1;
 }
 
 // d = a . b (kAccumulate false: d's old values are not read, so it needs no zeroing) or d += a . b.
@@ -134,22 +145,34 @@ __device__ __forceinline__ void w4a8_item_mainloop(const W4a8GemmParams& p, cons
   const uint32_t addend = p.exponent_addends[w.expert];
   const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
 
-  W4a8BRows<kIsL1, kBlockN> rows;
+  W4a8CopySrc<kIsL1, kBlockN> src;
+  src.b_valid = 0;
   #pragma unroll
-  for (int j = 0; j < W4a8BRows<kIsL1, kBlockN>::kPieces; ++j) {
+  for (int j = 0; j < W4a8CopySrc<kIsL1, kBlockN>::kPieces; ++j) {
     const int slot = w.slot_begin + (tid + j * kW4a8Threads) / 8;
-    rows.row[j] = slot < w.slot_end ? (kIsL1 ? w.slot_token[slot] : slot) : -1;
+    const bool valid = slot < w.slot_end;
+    const int32_t row = valid ? (kIsL1 ? w.slot_token[slot] : slot) : 0;
+    src.b[j] = p.b_codes + static_cast<int64_t>(row) * K + (tid % 8) * 16;
+    src.b_valid |= static_cast<uint32_t>(valid) << j;
   }
-  int32_t exp_row = -1;
-  if (tid < kBlockN && w.slot_begin + tid < w.slot_end) {
-    exp_row = kIsL1 ? w.slot_token[w.slot_begin + tid] : w.slot_begin + tid;
+  src.codes = codes + tid * 16;
+  // The first 32 threads copy the scales: thread i piece i % 16 of chunk i / 16.
+  src.scales = tid < Smem::kWScaleBytes / 16
+                   ? scales + (tid / (kScaleBytesPerTile / 16)) * kScaleBytesPerTile + (tid % (kScaleBytesPerTile / 16)) * 16
+                   : scales;
+  {
+    const int slot = w.slot_begin + tid;
+    src.exp_valid = tid < kBlockN && slot < w.slot_end;
+    const int32_t row = src.exp_valid ? (kIsL1 ? w.slot_token[slot] : slot) : 0;
+    src.exponent = p.b_exponents + static_cast<int64_t>(row) * blocks;
   }
+  const uint32_t b_smem = b_piece_smem_offset(tid);
 
   #pragma unroll
   for (int j = 0; j < kBlockN / 2; ++j) acc[j] = 0.0f;
   #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < blocks) copy_block<kIsL1, kBlockN>(p, rows, exp_row, codes, scales, s, K, smem_base + s * Smem::kStageBytes, tid);
+    if (s < blocks) copy_block<kIsL1, kBlockN>(src, b_smem, smem_base + s * Smem::kStageBytes, tid);
     ptx::cp_async_commit();  // one group per block, empty past K
   }
   for (int kb = 0; kb < blocks; ++kb) {
@@ -161,8 +184,7 @@ __device__ __forceinline__ void w4a8_item_mainloop(const W4a8GemmParams& p, cons
     __syncthreads();
     const int next = kb + kStages - 1;
     if (next < blocks) {
-      copy_block<kIsL1, kBlockN>(p, rows, exp_row, codes, scales, next, K,
-                                 smem_base + (next % kStages) * Smem::kStageBytes, tid);
+      copy_block<kIsL1, kBlockN>(src, b_smem, smem_base + (next % kStages) * Smem::kStageBytes, tid);
     }
     ptx::cp_async_commit();
     const uint8_t* st = smem + stage * Smem::kStageBytes;
