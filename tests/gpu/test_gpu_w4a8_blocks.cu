@@ -250,9 +250,9 @@ TEST(GpuW4a8Decode, FragmentsAndActivationCodesFeedTheFp8Wgmma) {
   std::vector<uint16_t> hidden = testing::random_hidden(rng, kTokens, kK, testing::HiddenValues::kWideExponents);
   DeviceBuffer<uint16_t> d_hidden(hidden);
   DeviceBuffer<uint8_t> d_act(static_cast<size_t>(kTokens * kK));
-  DeviceBuffer<int32_t> d_exp(kTokens);
+  DeviceBuffer<float> d_act_scale(kTokens);
   const auto* hidden_bf16 = reinterpret_cast<const __nv_bfloat16*>(d_hidden.get());
-  w4a8::quantize_act_kernel<<<1, 128>>>(hidden_bf16, kTokens, kK, d_act.get(), d_exp.get());
+  w4a8::quantize_act_kernel<<<1, 128>>>(hidden_bf16, kTokens, kK, d_act.get(), d_act_scale.get());
   DeviceBuffer<uint8_t> d_codes(tile.packed_codes), d_scales(tile.packed_scales);
   DeviceBuffer<float> d_out(static_cast<size_t>(kRows * kTokens));
   d_out.poison();
@@ -286,26 +286,26 @@ TEST(GpuW4a8Decode, FragmentsAndActivationCodesFeedTheFp8Wgmma) {
 
 // ---- activation quantization
 
-// Codes (fragment K order) and exponents from the device, compared with the definition on x.
+// Codes (fragment K order) and block scales 2^e from the device, compared with the definition on x.
 template <class T>
 void expect_act_quant_matches(const std::vector<T>& x, const std::vector<double>& exact, int64_t rows, int64_t cols) {
   DeviceBuffer<T> d_x(x);
   DeviceBuffer<uint8_t> d_codes(static_cast<size_t>(rows * cols));
-  DeviceBuffer<int32_t> d_exp(static_cast<size_t>(rows * cols / w4a8::kActBlock));
+  DeviceBuffer<float> d_scale(static_cast<size_t>(rows * cols / w4a8::kActBlock));
   d_codes.poison();      // 0xFF: NaN, never a code (satfinite)
-  d_exp.poison(0x80);    // 0x80808080: no exponent
+  d_scale.poison(0xFF);  // NaN: never a scale
   using Device = std::conditional_t<std::is_same_v<T, uint16_t>, __nv_bfloat16, float>;
   const auto* x_device = reinterpret_cast<const Device*>(d_x.get());
-  w4a8::quantize_act_kernel<<<3, 256>>>(x_device, rows, cols, d_codes.get(), d_exp.get());
+  w4a8::quantize_act_kernel<<<3, 256>>>(x_device, rows, cols, d_codes.get(), d_scale.get());
   gpu::check_cuda(cudaDeviceSynchronize(), "quantize_act_kernel");
   const std::vector<uint8_t> codes = d_codes.download();
-  const std::vector<int32_t> exps = d_exp.download();
+  const std::vector<float> scales = d_scale.download();
 
   std::vector<uint8_t> want_codes(static_cast<size_t>(rows * cols));
   std::vector<int32_t> want_exps(static_cast<size_t>(rows * cols / w4a8::kActBlock));
   format::quantize_activation_w4a8(exact, rows, cols, want_codes, want_exps);
   for (size_t b = 0; b < want_exps.size(); ++b) {
-    ASSERT_EQ(exps[b], want_exps[b]) << "row " << b / (cols / 128) << ", block " << b % (cols / 128);
+    ASSERT_EQ(scales[b], std::ldexp(1.0f, want_exps[b])) << "row " << b / (cols / 128) << ", block " << b % (cols / 128);
     for (int p = 0; p < w4a8::kActBlock; ++p) {
       const size_t at = b * w4a8::kActBlock, k = at + static_cast<size_t>(w4a8::k_of_position(p));
       ASSERT_EQ(codes[at + static_cast<size_t>(p)], want_codes[k])

@@ -2,9 +2,9 @@
 // stage (docs/w4a8.md §4.1), on fresh random layers, hidden states and routings every run.
 // Outputs and the workspace are poisoned before each run (GpuMoe::run); after it the workspace
 // still holds the row's intermediates, read back here:
-//   1. the hidden states' codes and exponents: bit for bit the emulation's;
+//   1. the hidden states' codes and block scales 2^e: bit for bit the emulation's;
 //   2. L1's fp32 a per element: within the bound of the fp8 MMA's accumulation (kMmaEps);
-//   3. L2's input codes and exponents: bit for bit the quantization of that fp32 a;
+//   3. L2's input codes and block scales: bit for bit the quantization of that fp32 a;
 //   4. the output (fp32 and bf16): the emulation's L2 and combine applied to those codes, within
 //      the MMA's bound per element and in RMS.
 // What 2 and 3 allow, a code that differs from the emulation's where its a lies near an e4m3
@@ -87,7 +87,7 @@ void parallel_for(int64_t n, F&& f) {
 struct Intermediates {
   std::vector<int32_t> token_slot;
   std::vector<uint8_t> x_codes, a_codes;
-  std::vector<int32_t> x_exponents, a_exponents;
+  std::vector<float> x_scales, a_scales;  // 2^e per token (or slot) and block
   std::vector<float> act;
 
   Intermediates(const GpuMoe& gpu, int64_t T) {
@@ -102,10 +102,10 @@ struct Intermediates {
     };
     take(token_slot, L.base.token_slot, S);
     take(x_codes, L.x_codes, T * H);
-    take(x_exponents, L.x_exponents, T * H / 128);
+    take(x_scales, L.x_scales, T * H / 128);
     take(act, L.act_f32, S * I);
     take(a_codes, L.a_codes, S * I);
-    take(a_exponents, L.a_exponents, S * I / 128);
+    take(a_scales, L.a_scales, S * I / 128);
   }
 };
 
@@ -131,11 +131,11 @@ int64_t code_mismatches(const uint8_t* stored, const std::vector<uint8_t>& natur
   return n;
 }
 
-std::vector<double> dequantize(const uint8_t* stored, const int32_t* exponents, int64_t n) {
+std::vector<double> dequantize(const uint8_t* stored, const float* scales, int64_t n) {
   std::vector<double> v(static_cast<size_t>(n));
   for (int64_t p = 0; p < n; ++p) {
     v[kernels::sm90::w4a8::k_of_position(static_cast<int>(p))] =
-        std::ldexp(static_cast<double>(format::e4m3_to_f32(stored[p])), exponents[p / 128]);
+        static_cast<double>(format::e4m3_to_f32(stored[p])) * static_cast<double>(scales[p / 128]);
   }
   return v;
 }
@@ -147,12 +147,12 @@ TokenCheck check_token(const MoeLayer& layer, const std::vector<uint16_t>& hidde
   std::vector<double> x(H);
   for (int64_t h = 0; h < H; ++h) x[h] = bf16_to_f32(hidden[t * H + h]);
 
-  // 1. The hidden states' codes and exponents.
+  // 1. The hidden states' codes and block scales.
   std::vector<uint8_t> codes(H);
   std::vector<int32_t> exps(H / 128);
   format::quantize_activation_w4a8(x, 1, H, codes, exps);
   c.x_code_mismatches = code_mismatches(m.x_codes.data() + t * H, codes);
-  for (int64_t b = 0; b < H / 128; ++b) c.x_code_mismatches += m.x_exponents[t * H / 128 + b] != exps[b];
+  for (int64_t b = 0; b < H / 128; ++b) c.x_code_mismatches += m.x_scales[t * H / 128 + b] != std::ldexp(1.0f, exps[b]);
   const std::vector<double> x_hat = reference::w4a8_quantize_dequantize(x);
 
   c.conditioned.assign(H, 0.0);
@@ -220,11 +220,11 @@ TokenCheck check_token(const MoeLayer& layer, const std::vector<uint16_t>& hidde
     format::quantize_activation_w4a8(a_kernel, 1, I, a_codes, a_exps);
     format::quantize_activation_w4a8(a_ref, 1, I, ref_codes, ref_exps);
     const uint8_t* stored = m.a_codes.data() + static_cast<int64_t>(slot) * I;
-    const int32_t* stored_exps = m.a_exponents.data() + static_cast<int64_t>(slot) * (I / 128);
+    const float* stored_scales = m.a_scales.data() + static_cast<int64_t>(slot) * (I / 128);
     c.a_code_mismatches += code_mismatches(stored, a_codes);
     c.flipped_codes += code_mismatches(stored, ref_codes);
-    for (int64_t b = 0; b < I / 128; ++b) c.a_code_mismatches += stored_exps[b] != a_exps[b];
-    const std::vector<double> a_hat = dequantize(stored, stored_exps, I);
+    for (int64_t b = 0; b < I / 128; ++b) c.a_code_mismatches += stored_scales[b] != std::ldexp(1.0f, a_exps[b]);
+    const std::vector<double> a_hat = dequantize(stored, stored_scales, I);
 
     // 4. The emulation's L2 and combine on those codes; the shared expert's chunks as one input.
     if (routed) {
@@ -302,7 +302,7 @@ void check_case(const Case& c, bool deterministic) {
       }
     }
   }
-  EXPECT_EQ(all.x_code_mismatches, 0) << "hidden-state codes or exponents differ from the emulation's";
+  EXPECT_EQ(all.x_code_mismatches, 0) << "hidden-state codes or block scales differ from the emulation's";
   EXPECT_EQ(all.a_out_of_bound, 0) << all.first_failure;
   EXPECT_EQ(all.a_code_mismatches, 0) << "L2's input codes are not the quantization of L1's fp32 a";
   EXPECT_TRUE(all.first_failure.empty()) << all.first_failure;

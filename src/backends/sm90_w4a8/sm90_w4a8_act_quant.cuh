@@ -70,10 +70,12 @@ __device__ __forceinline__ void load_act_block_lane(const float* block, int lane
 }
 
 // x [rows, cols] (bf16 or fp32, cols a multiple of 128, 16-byte aligned rows) -> codes [rows,
-// cols] e4m3 in MMA order and exponents [rows, cols / 128], one warp per block, blocks
-// grid-strided. Finite inputs only (docs/w4a8.md §1: others are outside the contract).
+// cols] e4m3 in MMA order and block scales 2^e [rows, cols / 128] as fp32 (the GEMM's promotion
+// multiplies by them; storing e would cost it an integer-to-float step per token and block), one
+// warp per block, blocks grid-strided. Finite inputs only (docs/w4a8.md §1: others are outside
+// the contract).
 template <class T>
-__global__ void quantize_act_kernel(const T* x, int64_t rows, int64_t cols, uint8_t* codes, int32_t* exponents) {
+__global__ void quantize_act_kernel(const T* x, int64_t rows, int64_t cols, uint8_t* codes, float* scales) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
   const int64_t blocks = rows * (cols / kActBlock);
@@ -82,7 +84,7 @@ __global__ void quantize_act_kernel(const T* x, int64_t rows, int64_t cols, uint
     load_act_block_lane(x + b * kActBlock, lane, v);
     const ActBlockCodes q = quantize_act_block(v);
     reinterpret_cast<uint32_t*>(codes + b * kActBlock)[lane] = q.codes;
-    if (lane == 0) exponents[b] = q.exponent;
+    if (lane == 0) scales[b] = exp2i(q.exponent);
   }
 }
 

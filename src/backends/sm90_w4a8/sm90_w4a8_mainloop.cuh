@@ -1,6 +1,6 @@
 // The K loop of one W4A8 work item (one warpgroup, 64 weight rows x kBlockN tokens): per 128 of
 // K (one activation block), the tokens' codes (gathered by slot, 128-byte swizzle, zero past the
-// item's slots), their block exponents and the weights' prepacked words stream through kStages
+// item's slots), their block scales and the weights' prepacked words stream through kStages
 // cp.async stages; the words are decoded to e4m3 (decode_k32), four k32 fp8 wgmmas accumulate
 // into a zeroed partial P, and acc += P * 2^e per token (docs/w4a8.md §4: the promotion that
 // keeps the tensor core's limited internal accumulation to 128 products).
@@ -25,9 +25,9 @@ namespace megamoe::kernels::sm90 {
 //   B codes    (kBlockN tokens, 128) e4m3, one 128-byte swizzled row per token   [1024-aligned]
 //   W codes    (64 rows, 128) e2m1 in the prepacked order: two 64-K chunks of 2048 bytes
 //   W scales   the two chunks' 256-byte scale tiles
-//   exponents  (kBlockN) int32: each token's block exponent e (0 past the item's slots)
+//   act scales (kBlockN) fp32: each token's block scale 2^e (0 past the item's slots)
 // All four arrive by cp.async, kStages - 1 blocks ahead of the MMA: with the weights loaded into
-// registers and the exponents by plain loads one block ahead, every block waited a memory latency
+// registers and the scales by plain loads one block ahead, every block waited a memory latency
 // (docs/perf/2026-11-29-h200-w4a8-v37.md).
 template <int kBlockN>
 struct W4a8SmemLayout {
@@ -37,8 +37,8 @@ struct W4a8SmemLayout {
   static constexpr int kWCodeBytes = 2 * w4a16::kCodeBytesPerTile;
   static constexpr int kWScaleOffset = kWCodeOffset + kWCodeBytes;
   static constexpr int kWScaleBytes = 2 * w4a16::kScaleBytesPerTile;
-  static constexpr int kExpOffset = kWScaleOffset + kWScaleBytes;
-  static constexpr int kStageBytes = (kExpOffset + kBlockN * 4 + 1023) / 1024 * 1024;
+  static constexpr int kActScaleOffset = kWScaleOffset + kWScaleBytes;
+  static constexpr int kStageBytes = (kActScaleOffset + kBlockN * 4 + 1023) / 1024 * 1024;
   static constexpr int kBytes = kStages * kStageBytes;
   static constexpr int kAllocBytes = kBytes + 1024;  // room to align the base to 1024 B
   static_assert(kBBytes % 1024 == 0, "each B stage must be whole 1024-byte swizzle atoms");
@@ -53,16 +53,16 @@ inline constexpr int kW4a8Threads = w4a16::kThreadsPerWarpgroup;
 // so that a block's copies cost one add per source: recomputing them from the rows and the
 // expert each block was a third of the K loop's instructions). B piece j is 16 bytes of row
 // (tid + 128 j) / 8 (token rows in L1, slot rows in L2), zero-filled past the item's slots; the
-// exponent is this thread's token's (first kBlockN threads).
+// scale is this thread's token's (first kBlockN threads).
 template <bool kIsL1, int kBlockN>
 struct W4a8CopySrc {
   static constexpr int kPieces = kBlockN * 8 / kW4a8Threads;
   const uint8_t* b[kPieces];  // row 0 where invalid
   const uint8_t* codes;       // this thread's 16 bytes of the first chunk
   const uint8_t* scales;      // this thread's 16-byte piece of the scales (first 32 threads)
-  const int32_t* exponent;    // row 0 where invalid
+  const float* act_scale;     // row 0 where invalid
   uint32_t b_valid;           // bit j: piece j's row is one of the item's slots
-  bool exp_valid;
+  bool act_scale_valid;
 };
 
 // B piece j of a thread lands at row r = tid / 8 + 16 j, 16-byte column c = tid % 8, swizzled
@@ -75,7 +75,7 @@ __device__ __forceinline__ uint32_t b_piece_smem_offset(int tid) {
 // This thread's share of the copies of the next block into `stage`, then `src` moves to the block
 // after: B codes (16-byte pieces, 128-byte swizzle), its own 16 weight-code bytes of each chunk,
 // for the first 32 threads one 16-byte piece of the weight scales, for the first kBlockN threads
-// its token's exponent.
+// its token's scale.
 template <bool kIsL1, int kBlockN>
 __device__ __forceinline__ void copy_block(W4a8CopySrc<kIsL1, kBlockN>& src, uint32_t b_smem, uint32_t stage_base,
                                            int tid) {
@@ -96,9 +96,9 @@ __device__ __forceinline__ void copy_block(W4a8CopySrc<kIsL1, kBlockN>& src, uin
   }
   src.scales += 2 * w4a16::kScaleBytesPerTile;
   if (tid < kBlockN) {
-    ptx::cp_async_4(stage_base + Smem::kExpOffset + tid * 4, src.exponent, src.exp_valid);
+    ptx::cp_async_4(stage_base + Smem::kActScaleOffset + tid * 4, src.act_scale, src.act_scale_valid);
   }
-  src.exponent += 1;
+  src.act_scale += 1;
 }
 
 // d = a . b (kAccumulate false: d's old values are not read, so it needs no zeroing) or d += a . b.
@@ -110,15 +110,15 @@ __device__ __forceinline__ void wgmma_e4m3(const uint32_t (&a)[4], uint64_t desc
 }
 
 // acc += part * 2^e per token (docs/w4a8.md §4's promotion), on one warpgroup's (64, kBlockN)
-// fragments: acc[4i + 2h + c] is token column 8i + 2t + c, so one 8-byte read of `exps` (the
-// block's exponents from the item's first token) per i gives both columns', for both rows h.
+// fragments: acc[4i + 2h + c] is token column 8i + 2t + c, so one 8-byte read of `scales` (the
+// block's scales from the item's first token) per i gives both columns', for both rows h.
 template <int kBlockN>
-__device__ __forceinline__ void promote_partial(const float (&part)[kBlockN / 2], const int32_t* exps, int t,
+__device__ __forceinline__ void promote_partial(const float (&part)[kBlockN / 2], const float* scales, int t,
                                                 float (&acc)[kBlockN / 2]) {
   #pragma unroll
   for (int i = 0; i < kBlockN / 8; ++i) {
-    const int2 e = *reinterpret_cast<const int2*>(exps + 8 * i + 2 * t);
-    const float s0 = w4a8::exp2i(e.x), s1 = w4a8::exp2i(e.y);
+    const float2 s = *reinterpret_cast<const float2*>(scales + 8 * i + 2 * t);
+    const float s0 = s.x, s1 = s.y;
     acc[4 * i] = fmaf(part[4 * i], s0, acc[4 * i]);
     acc[4 * i + 1] = fmaf(part[4 * i + 1], s1, acc[4 * i + 1]);
     acc[4 * i + 2] = fmaf(part[4 * i + 2], s0, acc[4 * i + 2]);
@@ -162,9 +162,9 @@ __device__ __forceinline__ void w4a8_item_mainloop(const W4a8GemmParams& p, cons
                    : scales;
   {
     const int slot = w.slot_begin + tid;
-    src.exp_valid = tid < kBlockN && slot < w.slot_end;
-    const int32_t row = src.exp_valid ? (kIsL1 ? w.slot_token[slot] : slot) : 0;
-    src.exponent = p.b_exponents + static_cast<int64_t>(row) * blocks;
+    src.act_scale_valid = tid < kBlockN && slot < w.slot_end;
+    const int32_t row = src.act_scale_valid ? (kIsL1 ? w.slot_token[slot] : slot) : 0;
+    src.act_scale = p.b_scales + static_cast<int64_t>(row) * blocks;
   }
   const uint32_t b_smem = b_piece_smem_offset(tid);
 
@@ -208,7 +208,7 @@ __device__ __forceinline__ void w4a8_item_mainloop(const W4a8GemmParams& p, cons
     }
     ptx::wgmma_commit();
     ptx::wgmma_wait_all();
-    promote_partial<kBlockN>(part, reinterpret_cast<const int32_t*>(st + Smem::kExpOffset), t, acc);
+    promote_partial<kBlockN>(part, reinterpret_cast<const float*>(st + Smem::kActScaleOffset), t, acc);
   }
 }
 

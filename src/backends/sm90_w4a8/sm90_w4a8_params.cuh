@@ -1,7 +1,7 @@
 // Kernel parameters of the sm90 W4A8 grouped GEMM (one GEMM per launch; docs/w4a8.md §8). The
 // schedule, the weights and the outputs are the W4A16 row's (W4a16GemmParams: its scheduler
 // decodes the same work items, over the same prepacked bytes); what differs is the B operand,
-// e4m3 codes with one exponent per 128 of K, the per-tensor constants of the fp8 decode and L1's
+// e4m3 codes with one scale 2^e per 128 of K, the per-tensor constants of the fp8 decode and L1's
 // fp32 output. Filled by the host (sm90_w4a8_run.cu).
 #pragma once
 
@@ -19,7 +19,7 @@ struct W4a8GemmParams {
   // B: L1 the hidden states' codes [T, H] gathered by slot_token, L2 the SwiGLU output's codes
   // [S, I] by slot; e4m3 in the fp8 MMA's K order (sm90_w4a8_layout.h), row-major.
   const uint8_t* b_codes;
-  const int32_t* b_exponents;  // [rows, K / 128]: the block scales 2^e
+  const float* b_scales;  // [rows, K / 128]: the block scales 2^e
   // Per virtual expert, the decode's scale constant (scale_exponent_addend): L1 gate rows in the
   // low half and up rows in the high half of each scale pair, L2 both halves down's.
   const uint32_t* exponent_addends;

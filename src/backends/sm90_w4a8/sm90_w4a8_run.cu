@@ -45,10 +45,10 @@ W4a8WorkspaceLayout w4a8_workspace_layout(const MoeProblem& p) {
   const size_t T = static_cast<size_t>(p.max_tokens), H = static_cast<size_t>(p.hidden_size);
   const size_t S = T * static_cast<size_t>(slots_per_token(p)), I = static_cast<size_t>(p.intermediate_size);
   w.x_codes = take(T * H);
-  w.x_exponents = take(T * (H / w4a8::kActBlock) * 4);
+  w.x_scales = take(T * (H / w4a8::kActBlock) * 4);
   w.act_f32 = take(S * I * 4);
   w.a_codes = take(S * I);
-  w.a_exponents = take(S * (I / w4a8::kActBlock) * 4);
+  w.a_scales = take(S * (I / w4a8::kActBlock) * 4);
   w.total = off;
   return w;
 }
@@ -127,12 +127,12 @@ void launch_gemm(int tile, const k90::W4a8GemmParams& params, int num_sms, int64
 // A plain launch (no programmatic serialization): it starts once the kernel before it has
 // completed, so the next kernel's grid dependency wait covers that one too.
 template <class T>
-void launch_quantize(const T* x, int64_t rows, int64_t cols, uint8_t* codes, int32_t* exponents, int num_sms,
+void launch_quantize(const T* x, int64_t rows, int64_t cols, uint8_t* codes, float* scales, int num_sms,
                      cudaStream_t stream) {
   constexpr int kThreads = 256;
   const int64_t blocks = rows * (cols / w4a8::kActBlock), per_cta = kThreads / 32;
   const int64_t ctas = std::max<int64_t>(1, std::min<int64_t>((blocks + per_cta - 1) / per_cta, int64_t{num_sms} * 16));
-  w4a8::quantize_act_kernel<T><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(x, rows, cols, codes, exponents);
+  w4a8::quantize_act_kernel<T><<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(x, rows, cols, codes, scales);
   gpu::check_cuda(cudaGetLastError(), "quantize_act_kernel launch");
 }
 
@@ -199,22 +199,22 @@ void run_sm90_w4a8(const MoePlan& plan, const Sm90PrepackedWeights& w, const Moe
   }
   launch_dispatch(d, T * p.top_k, stream);
   launch_quantize(reinterpret_cast<const __nv_bfloat16*>(args.hidden), T, H, workspace_at<uint8_t>(ws, L.x_codes),
-                  workspace_at<int32_t>(ws, L.x_exponents), plan.num_sms(), stream);
+                  workspace_at<float>(ws, L.x_scales), plan.num_sms(), stream);
 
   k90::W4a8GemmParams g1 = gemm_params(r, w, d, /*l1=*/true);
   g1.b_codes = workspace_at<uint8_t>(ws, L.x_codes);
-  g1.b_exponents = workspace_at<int32_t>(ws, L.x_exponents);
+  g1.b_scales = workspace_at<float>(ws, L.x_scales);
   g1.act_f32 = workspace_at<float>(ws, L.act_f32);
   launch_gemm<true>(cfg.l1, g1, plan.num_sms(), max_work_items(r, t1, d.l1_m_tiles), stream);
 
   // Every slot row up to the bound: rows past the routed slots (invalid ids) are never read.
   const int64_t slots = T * r.slots_per_token;
   launch_quantize(static_cast<const float*>(g1.act_f32), slots, I, workspace_at<uint8_t>(ws, L.a_codes),
-                  workspace_at<int32_t>(ws, L.a_exponents), plan.num_sms(), stream);
+                  workspace_at<float>(ws, L.a_scales), plan.num_sms(), stream);
 
   k90::W4a8GemmParams g2 = gemm_params(r, w, d, /*l1=*/false);
   g2.b_codes = workspace_at<uint8_t>(ws, L.a_codes);
-  g2.b_exponents = workspace_at<int32_t>(ws, L.a_exponents);
+  g2.b_scales = workspace_at<float>(ws, L.a_scales);
   launch_gemm<false>(cfg.l2, g2, plan.num_sms(), max_work_items(r, t2, d.l2_m_tiles), stream);
   launch_combine(combine_params(r, d), plan.num_sms(), stream);
 }

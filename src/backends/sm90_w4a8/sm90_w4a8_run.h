@@ -22,9 +22,9 @@ void validate_sm90_w4a8_problem(const MoeProblem& p);
 // The W4A16 row's workspace (dispatch, combine) followed by W4A8's regions.
 struct W4a8WorkspaceLayout {
   WorkspaceLayout base;
-  size_t x_codes, x_exponents;  // the hidden states quantized: [T, H] e4m3, [T, H / 128] int32
+  size_t x_codes, x_scales;  // the hidden states quantized: [T, H] e4m3, [T, H / 128] fp32 2^e
   size_t act_f32;               // L1's output a: [S, I] fp32
-  size_t a_codes, a_exponents;  // a quantized: [S, I] e4m3, [S, I / 128] int32
+  size_t a_codes, a_scales;  // a quantized: [S, I] e4m3, [S, I / 128] fp32 2^e
   size_t total;
 };
 W4a8WorkspaceLayout w4a8_workspace_layout(const MoeProblem& p);

@@ -60,7 +60,7 @@ __device__ __forceinline__ void w4a8_ws_consume(const W4a8GemmParams& p, uint8_t
       }
       ptx::wgmma_commit();
       ptx::wgmma_wait_all();
-      promote_partial<kN>(part, reinterpret_cast<const int32_t*>(st + L::kExpOffset) + token0, t, acc);
+      promote_partial<kN>(part, reinterpret_cast<const float*>(st + L::kActScaleOffset) + token0, t, acc);
       ptx::mbarrier_arrive(L::empty_bar(base, s));
     }
     // This consumer's part as a one-warpgroup item: its 64-row tile, or its 128 tokens.

@@ -28,7 +28,7 @@ inline constexpr int kW4a8WsConsumerTokens = 128;  // each consumer's wgmma N
 //              A registers of step f of tile i at ((4 i + f) * 128 + tid) * 16
 //   W codes    kMTiles x two 64-K chunks of 2048 bytes (the prepacked order)
 //   W scales   kMTiles x the two chunks' 256-byte scale tiles
-//   exponents  (kBlockN) int32: each token's block exponent (0 past the item's slots)
+//   act scales (kBlockN) fp32: each token's block scale 2^e (0 past the item's slots)
 //   addends    (4 producer warps) the decode's constant of the block's expert, per warp
 // Barriers per stage: full (256 producer arrivals: each thread's copies landed, by
 // cp.async.mbarrier.arrive, and its decode stored), empty (256 consumer arrivals: the block's
@@ -45,8 +45,8 @@ struct W4a8WsLayout {
   static constexpr int kWCodeTileBytes = 2 * w4a16::kCodeBytesPerTile;
   static constexpr int kWScaleOffset = kWCodeOffset + kMTiles * kWCodeTileBytes;
   static constexpr int kWScaleTileBytes = 2 * w4a16::kScaleBytesPerTile;
-  static constexpr int kExpOffset = kWScaleOffset + kMTiles * kWScaleTileBytes;
-  static constexpr int kAddendOffset = kExpOffset + kBlockN * 4;
+  static constexpr int kActScaleOffset = kWScaleOffset + kMTiles * kWScaleTileBytes;
+  static constexpr int kAddendOffset = kActScaleOffset + kBlockN * 4;
   static constexpr int kStageBytes = (kAddendOffset + 16 + 1023) / 1024 * 1024;
   // As many stages as fit beside nothing else (227 KB per CTA, one CTA per SM).
   static constexpr int kStages = kMTiles == 2 ? 5 : 4;

@@ -1,5 +1,5 @@
 // The producer warpgroup of the warp-specialized W4A8 tile (sm90_w4a8_ws_layout.cuh): per 128-K
-// block of the CTA's items, cp.async copies of the tokens' codes and exponents and the weights'
+// block of the CTA's items, cp.async copies of the tokens' codes and block scales and the weights'
 // prepacked words, kCopyAhead blocks ahead; then each thread decodes the words it copied
 // (decode_k32) into the four e4m3x4 A registers of the consumer thread with its index, and stores
 // them for that thread to load. Each warp copies
@@ -59,7 +59,7 @@ __device__ __forceinline__ void ws_begin_copy_item(const W4a8GemmParams& p, int 
 
 // This thread's copies of block kb into the stage at `st`: B codes (piece c of row r at
 // c ^ (r % 8)), its 16 code bytes of each chunk of each weight tile, for lanes < 8 kMTiles one
-// 16-byte piece of its warp's scale bytes, its tokens' exponents; lane 0 records the addend.
+// 16-byte piece of its warp's scale bytes, its tokens' block scales; lane 0 records the addend.
 template <bool kIsL1, int kMTiles>
 __device__ __forceinline__ void ws_copy_block(const W4a8GemmParams& p, const W4a8WsCopyItem<kIsL1, kMTiles>& it,
                                               int kb, int K, uint32_t st, int tid) {
@@ -94,8 +94,8 @@ __device__ __forceinline__ void ws_copy_block(const W4a8GemmParams& p, const W4a
   #pragma unroll
   for (int j = 0; j < Item::kExps; ++j) {
     const bool valid = it.exp_row[j] >= 0;
-    ptx::cp_async_4(st + L::kExpOffset + (tid + kThreadsPerWarpgroup * j) * 4,
-                    p.b_exponents + static_cast<int64_t>(valid ? it.exp_row[j] : 0) * (K / w4a8::kActBlock) + kb, valid);
+    ptx::cp_async_4(st + L::kActScaleOffset + (tid + kThreadsPerWarpgroup * j) * 4,
+                    p.b_scales + static_cast<int64_t>(valid ? it.exp_row[j] : 0) * (K / w4a8::kActBlock) + kb, valid);
   }
   if (lane == 0) {
     asm volatile("st.shared.u32 [%0], %1;\n" :: "r"(st + L::kAddendOffset + warp * 4), "r"(it.addend) : "memory");
@@ -151,7 +151,7 @@ __device__ __forceinline__ void w4a8_ws_produce(const W4a8GemmParams& p, uint8_t
       const int s = copy_j % kStages;
       if (copy_j >= kStages) ptx::mbarrier_wait(L::empty_bar(base, s), (copy_j / kStages + 1) & 1);
       ws_copy_block<kIsL1, kMTiles>(p, it, copy_kb, K, base + s * L::kStageBytes, tid);
-      // The consumers' view of the B rows and exponents: this arrival fires once they have landed.
+      // The consumers' view of the B rows and block scales: this arrival fires once they have landed.
       ptx::cp_async_mbarrier_arrive(L::full_bar(base, s));
       ++copy_j;
       if (++copy_kb == blocks) {
