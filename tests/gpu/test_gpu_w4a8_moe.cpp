@@ -367,7 +367,18 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"shared_clamp_T1000_tall", 256, 128, 16, 4, 1000, 128, 1.0f, -1, {}, "fp8_tall128"},
                       Case{"deepseek_v3_T128_wide", 7168, 2048, 4, 2, 128, 0, std::nullopt, -1, {}, "fp8_wide256"},
                       Case{"deepseek_v3_T600_tall", 7168, 2048, 4, 2, 600, 0, std::nullopt, -1, {}, "fp8_tall128"},
-                      Case{"qwen3_30b_T4096_tall", 2048, 768, 16, 2, 4096, 0, std::nullopt, -1, {}, "fp8_tall128"}),
+                      Case{"qwen3_30b_T4096_tall", 2048, 768, 16, 2, 4096, 0, std::nullopt, -1, {}, "fp8_tall128"},
+                      Case{"T3_overlap32", 256, 128, 8, 2, 3, 0, std::nullopt, -1, {}, "fp8_overlap32"},
+                      Case{"T1000_overlap32", 384, 256, 16, 4, 1000, 0, std::nullopt, -1, {}, "fp8_overlap32"},
+                      Case{"T1000_overlap128", 384, 256, 16, 4, 1000, 0, std::nullopt, -1, {}, "fp8_overlap128"},
+                      Case{"empty_experts_overlap128", 256, 128, 8, 1, 48, 0, std::nullopt, -1, {0, 5, 0, 0, 40, 0, 3, 0},
+                           "fp8_overlap128"},
+                      Case{"one_expert_all_tokens_overlap128", 256, 128, 8, 1, 300, 0, std::nullopt, -1,
+                           {0, 0, 0, 300, 0, 0, 0, 0}, "fp8_overlap128"},
+                      Case{"shared_clamp_T1000_overlap128", 256, 128, 16, 4, 1000, 128, 1.0f, -1, {}, "fp8_overlap128"},
+                      Case{"deepseek_v3_T600_overlap128", 7168, 2048, 4, 2, 600, 0, std::nullopt, -1, {}, "fp8_overlap128"},
+                      Case{"qwen3_30b_T4096_overlap128", 2048, 768, 16, 2, 4096, 0, std::nullopt, -1, {},
+                           "fp8_overlap128"}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 // A captured run replays to the eager output, bit for bit (deterministic combine).

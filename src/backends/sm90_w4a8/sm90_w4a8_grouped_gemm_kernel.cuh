@@ -20,7 +20,7 @@
 
 namespace megamoe::kernels::sm90 {
 
-template <bool kIsL1, int kBlockN>
+template <bool kIsL1, int kBlockN, bool kOverlap = false>
 __global__ void __launch_bounds__(detail::kW4a8Threads) w4a8_grouped_gemm_kernel(const W4a8GemmParams p) {
   uint8_t* smem = detail::aligned_dynamic_smem();
   __shared__ int next_work_shared;
@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(detail::kW4a8Threads) w4a8_grouped_gemm_kernel
   for (int work = blockIdx.x; work < total_work;) {
     const detail::WorkItem w = detail::decode_work<kBlockN>(p.g, work, total_work);
     float acc[kBlockN / 2];
-    detail::w4a8_item_mainloop<kIsL1, kBlockN>(p, w, smem, acc);
+    detail::w4a8_item_mainloop<kIsL1, kBlockN, kOverlap>(p, w, smem, acc);
     if (threadIdx.x == 0) next_work_shared = detail::claim_work(p.g.work_counter);
     detail::w4a8_store_tile<kIsL1, kBlockN>(p, acc, w, static_cast<int>(threadIdx.x));
     __syncthreads();  // next_work_shared; every thread read the previous one before the K loop's barriers

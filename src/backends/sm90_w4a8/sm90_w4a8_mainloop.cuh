@@ -29,9 +29,11 @@ namespace megamoe::kernels::sm90 {
 // All four arrive by cp.async, kStages - 1 blocks ahead of the MMA: with the weights loaded into
 // registers and the scales by plain loads one block ahead, every block waited a memory latency
 // (docs/perf/2026-11-29-h200-w4a8-v37.md).
-template <int kBlockN>
+template <int kBlockN, bool kOverlap = false>
 struct W4a8SmemLayout {
-  static constexpr int kStages = kBlockN >= 128 ? 4 : 8;
+  // The overlapped loop waits for block kb + 1 while block kb's wgmmas run, one block less ahead:
+  // one stage more keeps the same depth of copies in flight.
+  static constexpr int kStages = (kBlockN >= 128 ? 4 : 8) + (kOverlap ? 1 : 0);
   static constexpr int kBBytes = kBlockN * w4a8::kActBlock;
   static constexpr int kWCodeOffset = kBBytes;
   static constexpr int kWCodeBytes = 2 * w4a16::kCodeBytesPerTile;
@@ -130,12 +132,13 @@ __device__ __forceinline__ void promote_partial(const float (&part)[kBlockN / 2]
 // (row r0 + 8h, token column 8i + 2t + c), r0 = 16 warp + g, in units of the weights' e4m3
 // values times the activations' (s2 * 2^k is the epilogue's). The caller's CTA barrier separates
 // items (no thread still reads a stage when the next item's first copies overwrite it).
-template <bool kIsL1, int kBlockN>
+template <bool kIsL1, int kBlockN, bool kOverlap = false>
 __device__ __forceinline__ void w4a8_item_mainloop(const W4a8GemmParams& p, const WorkItem& w, uint8_t* smem,
                                                    float (&acc)[kBlockN / 2]) {
   using namespace w4a16;
-  using Smem = W4a8SmemLayout<kBlockN>;
+  using Smem = W4a8SmemLayout<kBlockN, kOverlap>;
   constexpr int kStages = Smem::kStages;
+  static_assert(!kOverlap || kStages >= 3, "the overlapped loop keeps two blocks' stages busy: give it 3 or more");
   const W4a16GemmParams& g = p.g;
   const int tid = static_cast<int>(threadIdx.x), warp = tid / 32, quad = tid % 32 / 4, t = tid % 4;
   const int K = g.k_chunks * kChunkK, blocks = K / w4a8::kActBlock;
@@ -175,20 +178,8 @@ __device__ __forceinline__ void w4a8_item_mainloop(const W4a8GemmParams& p, cons
     if (s < blocks) copy_block<kIsL1, kBlockN>(src, b_smem, smem_base + s * Smem::kStageBytes, tid);
     ptx::cp_async_commit();  // one group per block, empty past K
   }
-  for (int kb = 0; kb < blocks; ++kb) {
-    const int stage = kb % kStages;
-    ptx::cp_async_wait<kStages - 2>();  // this thread's copies of block kb have landed
-    // Block kb is visible to every thread, and every thread has finished block kb - 1 (its
-    // wgmmas waited), whose stage the next copies refill. No proxy fence, as in the W4A16
-    // mainloops: its MEMBAR.ALL.CTA would also wait for the copies of the blocks ahead.
-    __syncthreads();
-    const int next = kb + kStages - 1;
-    if (next < blocks) {
-      copy_block<kIsL1, kBlockN>(src, b_smem, smem_base + (next % kStages) * Smem::kStageBytes, tid);
-    }
-    ptx::cp_async_commit();
-    const uint8_t* st = smem + stage * Smem::kStageBytes;
-    uint32_t a[4][4];
+  const auto stage_of = [&](int kb) { return smem + (kb % kStages) * Smem::kStageBytes; };
+  const auto decode_block = [&](const uint8_t* st, uint32_t (&a)[4][4]) {
     #pragma unroll
     for (int c = 0; c < 2; ++c) {
       const uint4 q = *reinterpret_cast<const uint4*>(st + Smem::kWCodeOffset + c * kCodeBytesPerTile + tid * 16);
@@ -197,7 +188,9 @@ __device__ __forceinline__ void w4a8_item_mainloop(const W4a8GemmParams& p, cons
       w4a8::decode_k32(q.x, q.y, sc.x, addend, a[2 * c]);
       w4a8::decode_k32(q.z, q.w, sc.y, addend, a[2 * c + 1]);
     }
-    float part[kBlockN / 2];
+  };
+  // Four k32 wgmmas of one block into part (the first overwrites it), committed, not waited.
+  const auto mma_block = [&](const uint8_t* st, const uint32_t (&a)[4][4], float (&part)[kBlockN / 2]) {
     const uint64_t desc = ptx::make_sw128_desc(st);
     ptx::wgmma_fence();
     // k32 step f starts 32 bytes further into each swizzled row (16-byte units in the descriptor).
@@ -207,8 +200,57 @@ __device__ __forceinline__ void w4a8_item_mainloop(const W4a8GemmParams& p, cons
       wgmma_e4m3<kBlockN, true>(a[f], desc + 2 * f, part, std::make_index_sequence<kBlockN / 2>{});
     }
     ptx::wgmma_commit();
-    ptx::wgmma_wait_all();
-    promote_partial<kBlockN>(part, reinterpret_cast<const float*>(st + Smem::kActScaleOffset), t, acc);
+  };
+  // Refill the stage of block kb - 1 (every thread waited its wgmmas before the caller's barrier)
+  // with block kb + kStages - 1; one commit group per call, empty past K.
+  const auto refill = [&](int kb) {
+    const int next = kb + kStages - 1;
+    if (next < blocks) copy_block<kIsL1, kBlockN>(src, b_smem, smem_base + (next % kStages) * Smem::kStageBytes, tid);
+    ptx::cp_async_commit();
+  };
+
+  if constexpr (!kOverlap) {
+    for (int kb = 0; kb < blocks; ++kb) {
+      ptx::cp_async_wait<kStages - 2>();  // this thread's copies of block kb have landed
+      // Block kb is visible to every thread, and every thread has finished block kb - 1 (its
+      // wgmmas waited), whose stage the next copies refill. No proxy fence, as in the W4A16
+      // mainloops: its MEMBAR.ALL.CTA would also wait for the copies of the blocks ahead.
+      __syncthreads();
+      refill(kb);
+      const uint8_t* st = stage_of(kb);
+      uint32_t a[4][4];
+      decode_block(st, a);
+      float part[kBlockN / 2];
+      mma_block(st, a, part);
+      ptx::wgmma_wait_all();
+      promote_partial<kBlockN>(part, reinterpret_cast<const float*>(st + Smem::kActScaleOffset), t, acc);
+    }
+  } else {
+    // Block kb + 1 is decoded while block kb's wgmmas run, into the other register set (two
+    // explicit sets, the loop unrolled by two, so that no register an in-flight wgmma reads is
+    // rewritten). The barrier for block kb + 1 comes after block kb's wgmmas were issued.
+    uint32_t a[2][4][4];
+    ptx::cp_async_wait<kStages - 2>();  // block 0 has landed
+    __syncthreads();
+    decode_block(stage_of(0), a[0]);
+    const auto step = [&](int kb, const uint32_t (&a_now)[4][4], uint32_t (&a_next)[4][4]) {
+      const uint8_t* st = stage_of(kb);
+      float part[kBlockN / 2];
+      mma_block(st, a_now, part);
+      if (kb + 1 < blocks) {
+        // Groups committed so far: kStages - 1 + kb; block kb + 1's is the (kb + 2)-th.
+        ptx::cp_async_wait<kStages - 3>();
+        __syncthreads();  // block kb + 1 visible; every thread waited block kb - 1's wgmmas
+        refill(kb);
+        decode_block(stage_of(kb + 1), a_next);
+      }
+      ptx::wgmma_wait_all();
+      promote_partial<kBlockN>(part, reinterpret_cast<const float*>(st + Smem::kActScaleOffset), t, acc);
+    };
+    for (int kb = 0; kb < blocks; kb += 2) {
+      step(kb, a[0], a[1]);
+      if (kb + 1 < blocks) step(kb + 1, a[1], a[0]);
+    }
   }
 }
 

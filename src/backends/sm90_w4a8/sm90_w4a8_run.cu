@@ -107,9 +107,9 @@ struct W4a8Kernel {
     launch_dependent(kKernel, static_cast<unsigned>(ctas), kCtaThreads, kSmemBytes, stream, params);
   }
 };
-template <bool kIsL1, int kBlockN>
-using W4a8OneWarpgroup = W4a8Kernel<&k90::w4a8_grouped_gemm_kernel<kIsL1, kBlockN>, k90::detail::kW4a8Threads,
-                                    k90::W4a8SmemLayout<kBlockN>::kAllocBytes>;
+template <bool kIsL1, int kBlockN, bool kOverlap = false>
+using W4a8OneWarpgroup = W4a8Kernel<&k90::w4a8_grouped_gemm_kernel<kIsL1, kBlockN, kOverlap>,
+                                    k90::detail::kW4a8Threads, k90::W4a8SmemLayout<kBlockN, kOverlap>::kAllocBytes>;
 template <bool kIsL1, int kMTiles>
 using W4a8WarpSpecialized = W4a8Kernel<&k90::w4a8_ws_gemm_kernel<kIsL1, kMTiles>, k90::detail::kW4a8WsThreads,
                                        k90::detail::W4a8WsLayout<kMTiles>::kAllocBytes>;
@@ -120,6 +120,8 @@ void launch_gemm(int tile, const k90::W4a8GemmParams& params, int num_sms, int64
     case kW4a8TileNarrow32: return W4a8OneWarpgroup<kIsL1, 32>::launch(params, num_sms, max_work, stream);
     case kW4a8TileSingle128: return W4a8OneWarpgroup<kIsL1, 128>::launch(params, num_sms, max_work, stream);
     case kW4a8TileTall128: return W4a8WarpSpecialized<kIsL1, 2>::launch(params, num_sms, max_work, stream);
+    case kW4a8TileOverlap32: return W4a8OneWarpgroup<kIsL1, 32, true>::launch(params, num_sms, max_work, stream);
+    case kW4a8TileOverlap128: return W4a8OneWarpgroup<kIsL1, 128, true>::launch(params, num_sms, max_work, stream);
     default: return W4a8WarpSpecialized<kIsL1, 1>::launch(params, num_sms, max_work, stream);
   }
 }
@@ -224,6 +226,10 @@ void load_w4a8_kernels() {
   W4a8OneWarpgroup<false, 32>::blocks_per_sm();
   W4a8OneWarpgroup<true, 128>::blocks_per_sm();
   W4a8OneWarpgroup<false, 128>::blocks_per_sm();
+  W4a8OneWarpgroup<true, 32, true>::blocks_per_sm();
+  W4a8OneWarpgroup<false, 32, true>::blocks_per_sm();
+  W4a8OneWarpgroup<true, 128, true>::blocks_per_sm();
+  W4a8OneWarpgroup<false, 128, true>::blocks_per_sm();
   W4a8WarpSpecialized<true, 1>::blocks_per_sm();
   W4a8WarpSpecialized<false, 1>::blocks_per_sm();
   W4a8WarpSpecialized<true, 2>::blocks_per_sm();

@@ -12,13 +12,17 @@ struct W4a8Tile {
   int block_m_tiles;      // 64-row tiles per work item
   int block_n;            // tokens per work item
   bool warp_specialized;  // producer + two consumers (else one warpgroup)
+  bool overlapped;        // one warpgroup that decodes block kb + 1 while block kb's wgmmas run
 };
 inline constexpr W4a8Tile kW4a8Tiles[] = {
-    {"fp8_narrow32", 1, 32, false},
-    {"fp8_single128", 1, 128, false},
-    {"fp8_tall128", 2, 128, true},
-    {"fp8_wide256", 1, 256, true},
+    {"fp8_narrow32", 1, 32, false, false},
+    {"fp8_single128", 1, 128, false, false},
+    {"fp8_tall128", 2, 128, true, false},
+    {"fp8_wide256", 1, 256, true, false},
+    {"fp8_overlap32", 1, 32, false, true},
+    {"fp8_overlap128", 1, 128, false, true},
 };
-inline constexpr int kW4a8TileNarrow32 = 0, kW4a8TileSingle128 = 1, kW4a8TileTall128 = 2, kW4a8TileWide256 = 3;
+inline constexpr int kW4a8TileNarrow32 = 0, kW4a8TileSingle128 = 1, kW4a8TileTall128 = 2, kW4a8TileWide256 = 3,
+                     kW4a8TileOverlap32 = 4, kW4a8TileOverlap128 = 5;
 
 }  // namespace megamoe::runtime
