@@ -117,11 +117,13 @@ using W4a8WarpSpecialized = W4a8Kernel<&k90::w4a8_ws_gemm_kernel<kIsL1, kMTiles>
 template <bool kIsL1>
 void launch_gemm(int tile, const k90::W4a8GemmParams& params, int num_sms, int64_t max_work, cudaStream_t stream) {
   switch (tile) {
-    case kW4a8TileNarrow32: return W4a8OneWarpgroup<kIsL1, 32>::launch(params, num_sms, max_work, stream);
-    case kW4a8TileSingle128: return W4a8OneWarpgroup<kIsL1, 128>::launch(params, num_sms, max_work, stream);
+    case kW4a8TileNarrow32:
+      return W4a8OneWarpgroup<kIsL1, 32, kW4a8Tiles[kW4a8TileNarrow32].overlapped>::launch(params, num_sms, max_work,
+                                                                                          stream);
+    case kW4a8TileSingle128:
+      return W4a8OneWarpgroup<kIsL1, 128, kW4a8Tiles[kW4a8TileSingle128].overlapped>::launch(params, num_sms, max_work,
+                                                                                            stream);
     case kW4a8TileTall128: return W4a8WarpSpecialized<kIsL1, 2>::launch(params, num_sms, max_work, stream);
-    case kW4a8TileOverlap32: return W4a8OneWarpgroup<kIsL1, 32, true>::launch(params, num_sms, max_work, stream);
-    case kW4a8TileOverlap128: return W4a8OneWarpgroup<kIsL1, 128, true>::launch(params, num_sms, max_work, stream);
     default: return W4a8WarpSpecialized<kIsL1, 1>::launch(params, num_sms, max_work, stream);
   }
 }
@@ -222,14 +224,10 @@ void run_sm90_w4a8(const MoePlan& plan, const Sm90PrepackedWeights& w, const Moe
 }
 
 void load_w4a8_kernels() {
-  W4a8OneWarpgroup<true, 32>::blocks_per_sm();
-  W4a8OneWarpgroup<false, 32>::blocks_per_sm();
-  W4a8OneWarpgroup<true, 128>::blocks_per_sm();
-  W4a8OneWarpgroup<false, 128>::blocks_per_sm();
-  W4a8OneWarpgroup<true, 32, true>::blocks_per_sm();
-  W4a8OneWarpgroup<false, 32, true>::blocks_per_sm();
-  W4a8OneWarpgroup<true, 128, true>::blocks_per_sm();
-  W4a8OneWarpgroup<false, 128, true>::blocks_per_sm();
+  W4a8OneWarpgroup<true, 32, kW4a8Tiles[kW4a8TileNarrow32].overlapped>::blocks_per_sm();
+  W4a8OneWarpgroup<false, 32, kW4a8Tiles[kW4a8TileNarrow32].overlapped>::blocks_per_sm();
+  W4a8OneWarpgroup<true, 128, kW4a8Tiles[kW4a8TileSingle128].overlapped>::blocks_per_sm();
+  W4a8OneWarpgroup<false, 128, kW4a8Tiles[kW4a8TileSingle128].overlapped>::blocks_per_sm();
   W4a8WarpSpecialized<true, 1>::blocks_per_sm();
   W4a8WarpSpecialized<false, 1>::blocks_per_sm();
   W4a8WarpSpecialized<true, 2>::blocks_per_sm();
