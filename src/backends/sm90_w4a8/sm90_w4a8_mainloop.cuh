@@ -32,8 +32,9 @@ namespace megamoe::kernels::sm90 {
 template <int kBlockN, bool kOverlap = false>
 struct W4a8SmemLayout {
   // The overlapped loop waits for block kb + 1 while block kb's wgmmas run, one block less ahead:
-  // one stage more keeps the same depth of copies in flight.
-  static constexpr int kStages = (kBlockN >= 128 ? 4 : 8) + (kOverlap ? 1 : 0);
+  // one stage more keeps the same depth of copies in flight, but for the 160-token tile, where a
+  // fifth stage would leave room for one CTA per SM instead of two.
+  static constexpr int kStages = kBlockN > 128 ? 4 : (kBlockN == 128 ? 4 : 8) + (kOverlap ? 1 : 0);
   static constexpr int kBBytes = kBlockN * w4a8::kActBlock;
   static constexpr int kWCodeOffset = kBBytes;
   static constexpr int kWCodeBytes = 2 * w4a16::kCodeBytesPerTile;
@@ -54,17 +55,18 @@ inline constexpr int kW4a8Threads = w4a16::kThreadsPerWarpgroup;
 // This thread's copy sources of the item's next block, advanced by one block per copy (loop-carried,
 // so that a block's copies cost one add per source: recomputing them from the rows and the
 // expert each block was a third of the K loop's instructions). B piece j is 16 bytes of row
-// (tid + 128 j) / 8 (token rows in L1, slot rows in L2), zero-filled past the item's slots; the
-// scale is this thread's token's (first kBlockN threads).
+// (tid + 128 j) / 8 (token rows in L1, slot rows in L2), zero-filled past the item's slots; act
+// scale j is token tid + 128 j's (where that is below kBlockN).
 template <bool kIsL1, int kBlockN>
 struct W4a8CopySrc {
   static constexpr int kPieces = kBlockN * 8 / kW4a8Threads;
+  static constexpr int kActScales = (kBlockN + kW4a8Threads - 1) / kW4a8Threads;
   const uint8_t* b[kPieces];  // row 0 where invalid
   const uint8_t* codes;       // this thread's 16 bytes of the first chunk
   const uint8_t* scales;      // this thread's 16-byte piece of the scales (first 32 threads)
-  const float* act_scale;     // row 0 where invalid
-  uint32_t b_valid;           // bit j: piece j's row is one of the item's slots
-  bool act_scale_valid;
+  const float* act_scale[kActScales];  // row 0 where invalid
+  uint32_t b_valid;                     // bit j: piece j's row is one of the item's slots
+  uint32_t act_scale_valid;             // bit j: act scale j's token is one of the item's slots
 };
 
 // B piece j of a thread lands at row r = tid / 8 + 16 j, 16-byte column c = tid % 8, swizzled
@@ -76,8 +78,8 @@ __device__ __forceinline__ uint32_t b_piece_smem_offset(int tid) {
 
 // This thread's share of the copies of the next block into `stage`, then `src` moves to the block
 // after: B codes (16-byte pieces, 128-byte swizzle), its own 16 weight-code bytes of each chunk,
-// for the first 32 threads one 16-byte piece of the weight scales, for the first kBlockN threads
-// its token's scale.
+// for the first 32 threads one 16-byte piece of the weight scales, and its act scales
+// (W4a8CopySrc).
 template <bool kIsL1, int kBlockN>
 __device__ __forceinline__ void copy_block(W4a8CopySrc<kIsL1, kBlockN>& src, uint32_t b_smem, uint32_t stage_base,
                                            int tid) {
@@ -97,10 +99,14 @@ __device__ __forceinline__ void copy_block(W4a8CopySrc<kIsL1, kBlockN>& src, uin
     ptx::cp_async_16(stage_base + Smem::kWScaleOffset + tid * 16, src.scales, true);
   }
   src.scales += 2 * w4a16::kScaleBytesPerTile;
-  if (tid < kBlockN) {
-    ptx::cp_async_4(stage_base + Smem::kActScaleOffset + tid * 4, src.act_scale, src.act_scale_valid);
+  #pragma unroll
+  for (int j = 0; j < W4a8CopySrc<kIsL1, kBlockN>::kActScales; ++j) {
+    if (tid + j * kW4a8Threads < kBlockN) {
+      ptx::cp_async_4(stage_base + Smem::kActScaleOffset + (tid + j * kW4a8Threads) * 4, src.act_scale[j],
+                      (src.act_scale_valid >> j) & 1u);
+    }
+    src.act_scale[j] += 1;
   }
-  src.act_scale += 1;
 }
 
 // d = a . b (kAccumulate false: d's old values are not read, so it needs no zeroing) or d += a . b.
@@ -163,11 +169,14 @@ __device__ __forceinline__ void w4a8_item_mainloop(const W4a8GemmParams& p, cons
   src.scales = tid < Smem::kWScaleBytes / 16
                    ? scales + (tid / (kScaleBytesPerTile / 16)) * kScaleBytesPerTile + (tid % (kScaleBytesPerTile / 16)) * 16
                    : scales;
-  {
-    const int slot = w.slot_begin + tid;
-    src.act_scale_valid = tid < kBlockN && slot < w.slot_end;
-    const int32_t row = src.act_scale_valid ? (kIsL1 ? w.slot_token[slot] : slot) : 0;
-    src.act_scale = p.b_scales + static_cast<int64_t>(row) * blocks;
+  src.act_scale_valid = 0;
+  #pragma unroll
+  for (int j = 0; j < W4a8CopySrc<kIsL1, kBlockN>::kActScales; ++j) {
+    const int n = tid + j * kW4a8Threads, slot = w.slot_begin + n;
+    const bool valid = n < kBlockN && slot < w.slot_end;
+    const int32_t row = valid ? (kIsL1 ? w.slot_token[slot] : slot) : 0;
+    src.act_scale[j] = p.b_scales + static_cast<int64_t>(row) * blocks;
+    src.act_scale_valid |= static_cast<uint32_t>(valid) << j;
   }
   const uint32_t b_smem = b_piece_smem_offset(tid);
 

@@ -124,6 +124,11 @@ void launch_gemm(int tile, const k90::W4a8GemmParams& params, int num_sms, int64
       return W4a8OneWarpgroup<kIsL1, 128, kW4a8Tiles[kW4a8TileSingle128].overlapped>::launch(params, num_sms, max_work,
                                                                                             stream);
     case kW4a8TileTall128: return W4a8WarpSpecialized<kIsL1, 2>::launch(params, num_sms, max_work, stream);
+    case kW4a8TileAbsorb160Plain:
+      return W4a8OneWarpgroup<kIsL1, 160, false>::launch(params, num_sms, max_work, stream);
+    case kW4a8TileAbsorb160:
+      return W4a8OneWarpgroup<kIsL1, 160, kW4a8Tiles[kW4a8TileAbsorb160].overlapped>::launch(params, num_sms, max_work,
+                                                                                            stream);
     default: return W4a8WarpSpecialized<kIsL1, 1>::launch(params, num_sms, max_work, stream);
   }
 }
@@ -146,7 +151,7 @@ int64_t max_work_items(const PipelineRun& r, const W4a8Tile& tile, int64_t m_til
   return m_tiles / tile.block_m_tiles * ((slots + active * (tile.block_n - 1)) / tile.block_n);
 }
 
-GemmSchedule schedule_of(const W4a8Tile& tile) { return {tile.block_m_tiles, tile.block_n, tile.block_n, 1}; }
+GemmSchedule schedule_of(const W4a8Tile& tile) { return {tile.block_m_tiles, tile.block_n, tile.tile_step, 1}; }
 
 k90::W4a8GemmParams gemm_params(const PipelineRun& r, const Sm90PrepackedWeights& w, const k90::DispatchParams& d,
                                 bool l1) {
@@ -228,6 +233,10 @@ void load_w4a8_kernels() {
   W4a8OneWarpgroup<false, 32, kW4a8Tiles[kW4a8TileNarrow32].overlapped>::blocks_per_sm();
   W4a8OneWarpgroup<true, 128, kW4a8Tiles[kW4a8TileSingle128].overlapped>::blocks_per_sm();
   W4a8OneWarpgroup<false, 128, kW4a8Tiles[kW4a8TileSingle128].overlapped>::blocks_per_sm();
+  W4a8OneWarpgroup<true, 160, kW4a8Tiles[kW4a8TileAbsorb160].overlapped>::blocks_per_sm();
+  W4a8OneWarpgroup<false, 160, kW4a8Tiles[kW4a8TileAbsorb160].overlapped>::blocks_per_sm();
+  W4a8OneWarpgroup<true, 160, false>::blocks_per_sm();
+  W4a8OneWarpgroup<false, 160, false>::blocks_per_sm();
   W4a8WarpSpecialized<true, 1>::blocks_per_sm();
   W4a8WarpSpecialized<false, 1>::blocks_per_sm();
   W4a8WarpSpecialized<true, 2>::blocks_per_sm();

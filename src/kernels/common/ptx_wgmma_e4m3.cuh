@@ -19,6 +19,7 @@ template <int N> struct WgmmaRSE4m3;  // defined for the N below: add one to ins
   };
 MEGAMOE_WGMMA_RS_E4M3(32)
 MEGAMOE_WGMMA_RS_E4M3(128)
+MEGAMOE_WGMMA_RS_E4M3(160)
 #undef MEGAMOE_WGMMA_RS_E4M3
 
 }  // namespace megamoe::kernels::ptx
