@@ -16,20 +16,18 @@
 // second only moves the exponent into the normal range.
 //
 // Cost of one k32 fragment (16 weights), sm_90a SASS: 59 instructions (the codes: 30 LOP3 /
-// IMAD / SHF, 15 per step word; the scales: 5; 16 HMUL2, some issued as HFMA2.MMA; 8 F2FP). The
-// table form of docs/w4a8.md §3 (a shared-memory table of the 8 e4m3 products per scale and k,
-// indexed by the prepacked scale byte, one PRMT lookup per register) comes to 55 on this layout:
-// its 4-code PRMT selectors cost 3 and 7 instructions per register (the layout places a code's
-// bits for bf16, not as nibbles), the signs 3-4, and 4 of the 55 are LDS.64 from a per-CTA table
-// whose row differs per quad (bank conflicts) and which competes with the wgmma B reads for
-// shared-memory bandwidth (at the fp8 rate those take half of it). Within 7% of each other by
-// count, the form without shared memory is the one kept.
+// IMAD / SHF, 15 per step word; the scales: 5; 16 HMUL2, some issued as HFMA2.MMA; 8 F2FP).
+// The table form of docs/w4a8.md §3 (decode_k32_table below, sm90_w4a8_decode_table.h) takes 39:
+// its PRMT selectors are gathered from both step words at once, at the price of a per-CTA
+// shared-memory table (3840 bytes, filled per item), 4 LDS.64 per fragment whose rows differ per
+// quad (bank conflicts possible), and a different K order within each 16 for the activations.
 #pragma once
 
 #include <cuda_fp16.h>
 #include <cstdint>
 
 #include "backends/sm90_w4a16/sm90_w4a16_layout.h"
+#include "backends/sm90_w4a8/sm90_w4a8_decode_table.h"
 #include "backends/sm90_w4a8/sm90_w4a8_layout.h"
 
 namespace megamoe::kernels::sm90::w4a8 {
@@ -85,6 +83,54 @@ __device__ __forceinline__ void decode_k32(uint32_t word_even, uint32_t word_odd
                                            uint32_t exponent_addend, uint32_t (&a)[4]) {
   decode_step_e4m3(word_even, scale_pair_to_f16x2<0>(scale_word, exponent_addend), a[0], a[1]);
   decode_step_e4m3(word_odd, scale_pair_to_f16x2<1>(scale_word, exponent_addend), a[2], a[3]);
+}
+
+// ---- the table form (sm90_w4a8_decode_table.h: layout of the table, selectors, K order)
+
+// Fills a CTA's decode table at shared address `table` (kTableBytes, 16-byte aligned) for the
+// tensors of rows r0 (half 0) and r1 (half 1) with their decode_k32 constant, exponent_addend =
+// scale_exponent_addend(k) per half: entry E, half h holds RNE_8(e2m1(c) * s * 2^-k) for c = 0..7,
+// s the scale of encoded byte E. Computed with decode_k32's f16 products (exact, one rounding),
+// 8 bytes per thread and step; entry 0 is zero (a zero-scale block's codes are 0, so only the
+// sign could be read). Entries of scales too large for k are never read (their f16 may
+// overflow). The caller syncs the CTA before the first lookup.
+__device__ __forceinline__ void fill_decode_table(uint32_t table, uint32_t exponent_addend, int thread, int threads) {
+  // e2m1(c) * 2^-14 as f16 is c << 9 (f16_code_pair): the pairs (0, 1), (2, 3), (4, 5), (6, 7).
+  constexpr uint32_t kCodes[4] = {0x02000000u, 0x06000400u, 0x0A000800u, 0x0E000C00u};
+  for (int i = thread; i < 2 * kTableEntries; i += threads) {
+    const uint32_t entry = static_cast<uint32_t>(i) >> 1;
+    // f16 of s * 2^(9 - k): E << 7 (value s * 2^6) plus the half's exponent addend.
+    const uint32_t scale = (entry << 7) + ((i & 1) ? exponent_addend >> 16 : exponent_addend & 0xFFFFu);
+    uint32_t lo = f16x2x2_to_e4m3x4(scaled_pair<0>(kCodes[0], scale), scaled_pair<0>(kCodes[1], scale));
+    uint32_t hi = f16x2x2_to_e4m3x4(scaled_pair<0>(kCodes[2], scale), scaled_pair<0>(kCodes[3], scale));
+    if (entry == 0) lo = hi = 0;
+    asm volatile("st.shared.v2.u32 [%0], {%1, %2};" ::"r"(table + static_cast<uint32_t>(i) * 8u), "r"(lo), "r"(hi)
+                 : "memory");
+  }
+}
+
+// One table row: the 8 magnitudes of one (row, step) scale.
+__device__ __forceinline__ uint2 load_table_row(uint32_t address) {
+  uint2 r;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "r"(address));
+  return r;
+}
+
+// decode_k32's inputs and outputs, in the table form: the same step words and scale word, the
+// CTA's table (fill_decode_table) in place of the exponent addend, and the A registers in the
+// table's K order (table_k_of_position; the activations must follow it). The table rows are
+// loaded first so their latency overlaps the selector arithmetic.
+__device__ __forceinline__ void decode_k32_table(uint32_t word_even, uint32_t word_odd, uint32_t scale_word,
+                                                 uint32_t table, uint32_t (&a)[4]) {
+  const uint2 t0 = load_table_row(table + table_offset<0>(scale_word, 0));
+  const uint2 t1 = load_table_row(table + table_offset<0>(scale_word, 1));
+  const uint2 t2 = load_table_row(table + table_offset<1>(scale_word, 0));
+  const uint2 t3 = load_table_row(table + table_offset<1>(scale_word, 1));
+  const TableOperands op = table_operands(word_even, word_odd);
+  a[0] = table_lookup(t0.x, t0.y, op.selector[0], op.sign[0]);
+  a[1] = table_lookup(t1.x, t1.y, op.selector[1], op.sign[1]);
+  a[2] = table_lookup(t2.x, t2.y, op.selector[2], op.sign[2]);
+  a[3] = table_lookup(t3.x, t3.y, op.selector[3], op.sign[3]);
 }
 
 }  // namespace megamoe::kernels::sm90::w4a8
