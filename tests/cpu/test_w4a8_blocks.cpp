@@ -29,7 +29,7 @@ namespace w4a16 = kernels::sm90::w4a16;
 bool scale_fits(uint8_t byte, int k) { return format::w4a8_weight_rescale_exponent({&byte, 1}) <= k; }
 
 TEST(W4a8Layout, KPermutationIsABijectionWithinEachSixteen) {
-  const int want[16] = {0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15};
+  const int want[16] = {8, 0, 9, 1, 10, 2, 11, 3, 12, 4, 13, 5, 14, 6, 15, 7};
   for (int p = 0; p < 16; ++p) EXPECT_EQ(w4a8::k_of_position(p), want[p]) << "position " << p;
   std::vector<int> seen(128, 0);
   for (int p = 0; p < 128; ++p) {
@@ -41,11 +41,11 @@ TEST(W4a8Layout, KPermutationIsABijectionWithinEachSixteen) {
   for (int k = 0; k < 128; ++k) EXPECT_EQ(seen[static_cast<size_t>(k)], 1) << "k " << k;
 }
 
-// The decode puts step word elements a0, a1, a4, a5 (row r0) into bytes 0..3 of one register and
-// a2, a3, a6, a7 (row r1) into another: byte i of thread t's register must be the element whose
+// The decode puts step word elements a4, a0, a5, a1 (row r0) into bytes 0..3 of one register and
+// a6, a2, a7, a3 (row r1) into another: byte i of thread t's register must be the element whose
 // W4A16 position (row offset, k offset 2t + ...) is the fragment position 4t + i's logical k.
 TEST(W4a8Layout, DecodedBytesAreTheElementsOfTheirFragmentPositions) {
-  const int row0[4] = {0, 1, 4, 5}, row1[4] = {2, 3, 6, 7};
+  const int row0[4] = {4, 0, 5, 1}, row1[4] = {6, 2, 7, 3};
   for (int t = 0; t < 4; ++t) {
     for (int i = 0; i < 4; ++i) {
       const int k = w4a8::k_of_position(4 * t + i);

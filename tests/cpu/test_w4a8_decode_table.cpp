@@ -2,7 +2,7 @@
 // the CPU: the same selector, sign and lookup sequence as the device (PRMT emulated), on step words
 // built from codes with the layout's bit positions, and tables filled from the definition, against
 // format::w4a8_weight_e4m3 for every rescale exponent k, every scale byte valid for k, every code
-// and every position of the fragment, the output bytes in the table's K order. The device:
+// and every position of the fragment, the output bytes in the fragment K order (k_of_position). The device:
 // tests/gpu/test_gpu_w4a8_decode_table.cu.
 #include <gtest/gtest.h>
 
@@ -80,18 +80,6 @@ int element_at(int h, int k_offset) {
   return -1;
 }
 
-TEST(W4a8DecodeTable, KOrderIsABijectionWithinEachSixteen) {
-  const int want[16] = {8, 0, 9, 1, 10, 2, 11, 3, 12, 4, 13, 5, 14, 6, 15, 7};
-  std::vector<int> seen(64, 0);
-  for (int p = 0; p < 64; ++p) {
-    const int k = w4a8::table_k_of_position(p);
-    EXPECT_EQ(k, (p & ~15) + want[p % 16]) << "position " << p;
-    EXPECT_EQ(w4a8::table_position_of_k(k), p);
-    ++seen[static_cast<size_t>(k)];
-  }
-  for (int k = 0; k < 64; ++k) EXPECT_EQ(seen[static_cast<size_t>(k)], 1) << "k " << k;
-}
-
 TEST(W4a8DecodeTable, PrmtEmulationFollowsThePtxDefinition) {
   EXPECT_EQ(w4a8::prmt(0x33221100u, 0x77665544u, 0x7531), 0x77553311u);
   EXPECT_EQ(w4a8::prmt(0x33221100u, 0x77665544u, 0x0123), 0x00112233u);
@@ -144,7 +132,7 @@ TEST(W4a8DecodeTable, EveryScaleCodeAndRescaleExponentIsTheDefinedWeight) {
           for (int byte = 0; byte < 4; ++byte) {
             // Register r, byte `byte` of thread t is fragment position 16 s + 4t + byte, logical k
             // 16 s + 2t + offset: the step word element at (row r0 + 8 h, k offset 2t + offset).
-            const int k_offset = w4a8::table_k_of_position(byte);  // thread 0: the offset from 2t
+            const int k_offset = w4a8::k_of_position(byte);  // thread 0: the offset from 2t
             const int p = element_at(h, k_offset);
             ASSERT_GE(p, 0);
             const uint8_t want = format::w4a8_weight_e4m3(code[s][p], scale[h][s], h ? k_up : k);
@@ -169,7 +157,7 @@ TEST(W4a8DecodeTable, EveryScaleCodeAndRescaleExponentIsTheDefinedWeight) {
 TEST(W4a8DecodeTable, RegisterBytesFollowTheTableKOrderForEveryThread) {
   for (int t = 0; t < 4; ++t) {
     for (int i = 0; i < 4; ++i) {
-      const int k = w4a8::table_k_of_position(4 * t + i);
+      const int k = w4a8::k_of_position(4 * t + i);
       for (int h = 0; h < 2; ++h) {
         const int p = element_at(h, k - 2 * t);
         ASSERT_GE(p, 0) << "t " << t << ", byte " << i;

@@ -155,7 +155,7 @@ TEST(GpuW4a8DecodeTable, EveryScaleCodeAndRescaleExponentIsTheDefinedWeight) {
         }
         const int h = r & 1, s = r >> 1;
         for (int byte = 0; byte < 4; ++byte) {
-          const int p = element_at(h, w4a8::table_k_of_position(byte));
+          const int p = element_at(h, w4a8::k_of_position(byte));
           const uint8_t want = format::w4a8_weight_e4m3(f.code[s][p], f.scale[h][s], h ? k_up : k);
           const uint8_t b = static_cast<uint8_t>(got >> (8 * byte));
           if (b != want && ++mismatches <= 8) {

@@ -55,18 +55,18 @@ __device__ __forceinline__ ActBlockCodes quantize_act_block(const float (&x)[4])
 }
 
 // The values lane l quantizes, from a block's 128 elements in natural order: logical k
-// 16b + 2t + {0, 1} and 16b + 2t + 8 + {0, 1}, b = l / 4, t = l % 4 (two pair loads).
+// 16b + 2t + (8, 0, 9, 1), b = l / 4, t = l % 4 (two pair loads; k_of_position).
 __device__ __forceinline__ void load_act_block_lane(const __nv_bfloat16* block, int lane, float (&x)[4]) {
   const int k = 16 * (lane / 4) + 2 * (lane % 4);
   const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(block + k));
   const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(block + k + 8));
-  x[0] = lo.x, x[1] = lo.y, x[2] = hi.x, x[3] = hi.y;
+  x[0] = hi.x, x[1] = lo.x, x[2] = hi.y, x[3] = lo.y;
 }
 __device__ __forceinline__ void load_act_block_lane(const float* block, int lane, float (&x)[4]) {
   const int k = 16 * (lane / 4) + 2 * (lane % 4);
   const float2 lo = *reinterpret_cast<const float2*>(block + k);
   const float2 hi = *reinterpret_cast<const float2*>(block + k + 8);
-  x[0] = lo.x, x[1] = lo.y, x[2] = hi.x, x[3] = hi.y;
+  x[0] = hi.x, x[1] = lo.x, x[2] = hi.y, x[3] = lo.y;
 }
 
 // x [rows, cols] (bf16 or fp32, cols a multiple of 128, 16-byte aligned rows) -> codes [rows,

@@ -67,13 +67,16 @@ __device__ __forceinline__ uint32_t f16x2x2_to_e4m3x4(uint32_t lo, uint32_t hi) 
   return r;
 }
 
-// One step word with its f16 scale pair -> the e4m3x4 registers of rows r0 (bytes a0, a1, a4, a5)
-// and r1 (a2, a3, a6, a7).
+// One step word with its f16 scale pair -> the e4m3x4 registers of rows r0 (bytes a4, a0, a5, a1)
+// and r1 (a6, a2, a7, a3): the fragment K order (sm90_w4a8_layout.h), one PRMT per register
+// from the conversions' {a0, a1, a4, a5}.
 __device__ __forceinline__ void decode_step_e4m3(uint32_t word, uint32_t scale, uint32_t& row0, uint32_t& row1) {
-  row0 = f16x2x2_to_e4m3x4(scaled_pair<0>(f16_code_pair(word, 0), scale),
-                           scaled_pair<0>(f16_code_pair(word, 2), scale));
-  row1 = f16x2x2_to_e4m3x4(scaled_pair<1>(f16_code_pair(word, 1), scale),
-                           scaled_pair<1>(f16_code_pair(word, 3), scale));
+  row0 = __byte_perm(f16x2x2_to_e4m3x4(scaled_pair<0>(f16_code_pair(word, 0), scale),
+                                       scaled_pair<0>(f16_code_pair(word, 2), scale)),
+                     0, 0x1302);
+  row1 = __byte_perm(f16x2x2_to_e4m3x4(scaled_pair<1>(f16_code_pair(word, 1), scale),
+                                       scaled_pair<1>(f16_code_pair(word, 3), scale)),
+                     0, 0x1302);
 }
 
 // One k32 step: the step words of k16 steps 2i and 2i + 1 of a chunk, their scale word i
@@ -118,7 +121,7 @@ __device__ __forceinline__ uint2 load_table_row(uint32_t address) {
 
 // decode_k32's inputs and outputs, in the table form: the same step words and scale word, the
 // CTA's table (fill_decode_table) in place of the exponent addend, and the A registers in the
-// table's K order (table_k_of_position; the activations must follow it). The table rows are
+// fragment K order. The table rows are
 // loaded first so their latency overlaps the selector arithmetic.
 __device__ __forceinline__ void decode_k32_table(uint32_t word_even, uint32_t word_odd, uint32_t scale_word,
                                                  uint32_t table, uint32_t (&a)[4]) {

@@ -12,10 +12,8 @@
 //
 // The K order. PRMT builds each register's 4 bytes from 4 selector nibbles; the cheapest nibble
 // order the layout allows puts step-word elements (a4, a0, a5, a1) in bytes 0..3 of row r0's
-// register and (a6, a2, a7, a3) in row r1's, i.e. k offsets (8, 0, 9, 1) from 2t where the f16
-// decode has (0, 1, 8, 9) (sm90_w4a8_layout.h): fragment position 4t + i holds logical k
-// 2t + (8, 0, 9, 1)[i] (table_k_of_position), a different permutation within each aligned 16,
-// so the activations must be stored in that order to use this decode.
+// register and (a6, a2, a7, a3) in row r1's, i.e. k offsets (8, 0, 9, 1) from 2t: the fragment
+// K order of sm90_w4a8_layout.h (k_of_position), which the activations are stored in.
 //
 // Selectors (bits 0..15 of a PRMT selector: 4 nibbles, bit 3 of each must be 0, else PRMT's
 // sign-replicate mode). The layout's bytes (b0..b3 of a step word) hold, by bit:
@@ -44,17 +42,6 @@ namespace megamoe::kernels::sm90::w4a8 {
 inline constexpr int kTableEntries = 240;   // encoded scale bytes 0..239 ((8 + 21) << 3 | 7)
 inline constexpr int kTableEntryBytes = 16;  // row r0's 8 magnitudes, then row r1's
 inline constexpr int kTableBytes = kTableEntries * kTableEntryBytes;  // 3840: one CTA's table
-
-// Logical k of fragment (and activation storage) position p under the table decode, and its
-// inverse: byte i of a register holds k offset (8, 0, 9, 1)[i] from 2t. Both keep p's aligned 16.
-constexpr int table_k_of_position(int p) {
-  constexpr int kOffset[4] = {8, 0, 9, 1};
-  return (p & ~15) + 2 * ((p >> 2) & 3) + kOffset[p & 3];
-}
-constexpr int table_position_of_k(int k) {
-  constexpr int kByte[4] = {1, 3, 0, 2};  // (k & 1) + 2 * ((k >> 3) & 1) -> byte
-  return (k & ~15) + 4 * ((k >> 1) & 3) + kByte[(k & 1) + 2 * ((k >> 3) & 1)];
-}
 
 // prmt.b32 in its default mode: byte i of the result is byte (s >> 4i) & 7 of {b:a}, or, where
 // bit 3 of that nibble is set, that byte's bit 7 replicated (PTX ISA, prmt). The device runs

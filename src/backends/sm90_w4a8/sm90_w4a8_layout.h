@@ -15,12 +15,13 @@
 // (k 2t, 2t+1, 2t+8, 2t+9) (sm90_w4a16_layout.h): per row, a thread holds the k of fragment
 // positions 4t..4t+3 of the bf16 fragment, not of the fp8 one. No shuffle between threads is
 // needed, because a GEMM's K may be permuted as long as both operands use the same order: the
-// decode puts step 2j's elements a0, a1, a4, a5 (row r0) into reg 0 bytes 0..3, a2, a3, a6, a7
-// (row r1) into reg 1, and step 2j + 1's likewise into regs 2 and 3. So fragment position p of a
-// k32 step holds logical k = k_of_position(p): K is permuted within each aligned 16,
-//     position 4t + i  <-  k 2t + (i & 1) + 8 * (i >> 1)        (t, i in 0..3)
-//     p: 0 1 2 3  4 5  6  7  8 9 10 11 12 13 14 15
-//     k: 0 1 8 9  2 3 10 11  4 5 12 13  6  7 14 15
+// decode puts step 2j's elements a4, a0, a5, a1 (row r0) into reg 0 bytes 0..3, a6, a2, a7, a3
+// (row r1) into reg 1, and step 2j + 1's likewise into regs 2 and 3 (the order the table decode's
+// PRMT selectors come cheapest in: sm90_w4a8_decode_table.h). So fragment position p of a k32
+// step holds logical k = k_of_position(p): K is permuted within each aligned 16,
+//     position 4t + i  <-  k 2t + (8, 0, 9, 1)[i]        (t, i in 0..3)
+//     p: 0 1 2 3   4 5  6 7   8 9 10 11  12 13 14 15
+//     k: 8 0 9 1  10 2 11 3  12 4 13  5  14  6 15  7
 // and the activations (the B operand, K-major in shared memory) must hold logical k
 // k_of_position(p) at byte p of every 16. The activation quantization writes its codes in that
 // order (sm90_w4a8_act_quant.cuh); a 128-element activation block (one scale) is a whole number
@@ -45,8 +46,14 @@ inline constexpr int kMaxRescaleExponent = 3;    // k of a tensor whose largest 
 
 // Logical k of fragment (or activation storage) position p, and its inverse; both keep the
 // aligned 16 that p or k lies in.
-constexpr int k_of_position(int p) { return (p & ~15) + 2 * ((p >> 2) & 3) + (p & 1) + 8 * ((p >> 1) & 1); }
-constexpr int position_of_k(int k) { return (k & ~15) + 4 * ((k >> 1) & 3) + (k & 1) + 2 * ((k >> 3) & 1); }
+constexpr int k_of_position(int p) {
+  constexpr int kOffset[4] = {8, 0, 9, 1};
+  return (p & ~15) + 2 * ((p >> 2) & 3) + kOffset[p & 3];
+}
+constexpr int position_of_k(int k) {
+  constexpr int kByte[4] = {1, 3, 0, 2};  // by (k & 1) + 2 * ((k >> 3) & 1)
+  return (k & ~15) + 4 * ((k >> 1) & 3) + kByte[(k & 1) + 2 * ((k >> 3) & 1)];
+}
 
 // The f16x2 integer addend that turns a pair of prepacked scales, shifted into f16's fields
 // (value s * 2^6), into s * 2^(9 - k): 3 - k added to both exponent fields. k in [-15, 3].

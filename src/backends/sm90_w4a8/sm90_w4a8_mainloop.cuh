@@ -28,7 +28,8 @@ namespace megamoe::kernels::sm90 {
 //   act scales (kBlockN) fp32: each token's block scale 2^e (0 past the item's slots)
 // All four arrive by cp.async, kStages - 1 blocks ahead of the MMA: with the weights loaded into
 // registers and the scales by plain loads one block ahead, every block waited a memory latency
-// (docs/perf/2026-11-29-h200-w4a8-v37.md).
+// (docs/perf/2026-11-29-h200-w4a8-v37.md). After the stages, the decode table of the item's
+// expert (sm90_w4a8_decode_table.h, kTableBytes).
 template <int kBlockN, bool kOverlap = false>
 struct W4a8SmemLayout {
   // The overlapped loop waits for block kb + 1 while block kb's wgmmas run, one block less ahead:
@@ -43,7 +44,8 @@ struct W4a8SmemLayout {
   static constexpr int kActScaleOffset = kWScaleOffset + kWScaleBytes;
   static constexpr int kStageBytes = (kActScaleOffset + kBlockN * 4 + 1023) / 1024 * 1024;
   static constexpr int kBytes = kStages * kStageBytes;
-  static constexpr int kAllocBytes = kBytes + 1024;  // room to align the base to 1024 B
+  static constexpr int kTableOffset = kBytes;
+  static constexpr int kAllocBytes = kTableOffset + w4a8::kTableBytes + 1024;  // room to align the base to 1024 B
   static_assert(kBBytes % 1024 == 0, "each B stage must be whole 1024-byte swizzle atoms");
   static_assert(kWScaleBytes <= 32 * 16, "the weight scales are copied by the first 32 threads, 16 bytes each");
 };
@@ -151,8 +153,11 @@ __device__ __forceinline__ void w4a8_item_mainloop(const W4a8GemmParams& p, cons
   const int64_t tile0 = static_cast<int64_t>(w.m_block) * g.k_chunks;  // (64-row tile, chunk) index of chunk 0
   const uint8_t* codes = g.codes + w.expert * g.code_expert_stride + tile0 * kCodeBytesPerTile;
   const uint8_t* scales = g.scales + w.expert * g.scale_expert_stride + tile0 * kScaleBytesPerTile;
-  const uint32_t addend = p.exponent_addends[w.expert];
   const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t table = smem_base + Smem::kTableOffset;
+  // The item's expert's table; the caller's barrier after the previous item means nobody still
+  // reads the old one, and the first block's barrier below publishes this one.
+  w4a8::fill_decode_table(table, p.exponent_addends[w.expert], tid, kW4a8Threads);
 
   W4a8CopySrc<kIsL1, kBlockN> src;
   src.b_valid = 0;
@@ -194,8 +199,8 @@ __device__ __forceinline__ void w4a8_item_mainloop(const W4a8GemmParams& p, cons
       const uint4 q = *reinterpret_cast<const uint4*>(st + Smem::kWCodeOffset + c * kCodeBytesPerTile + tid * 16);
       const uint2 sc =
           *reinterpret_cast<const uint2*>(st + Smem::kWScaleOffset + c * kScaleBytesPerTile + (warp * 8 + quad) * 8);
-      w4a8::decode_k32(q.x, q.y, sc.x, addend, a[2 * c]);
-      w4a8::decode_k32(q.z, q.w, sc.y, addend, a[2 * c + 1]);
+      w4a8::decode_k32_table(q.x, q.y, sc.x, table, a[2 * c]);
+      w4a8::decode_k32_table(q.z, q.w, sc.y, table, a[2 * c + 1]);
     }
   };
   // Four k32 wgmmas of one block into part (the first overwrites it), committed, not waited.
