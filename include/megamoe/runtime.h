@@ -62,7 +62,7 @@ struct MoeTuning {
   std::optional<int> num_sms;
   // One GEMM's tile, named as in the backend's tile table (sm_90 w4a16: decode16, decode32,
   // decode48, middle64, prefill128, overlapped128, absorbing160; sm_90 w4a8: fp8_narrow32,
-  // fp8_single128, fp8_tall128, fp8_wide256), in place of the heuristic's: for measuring the
+  // fp8_single128, fp8_tall128, fp8_wide256, fp8_absorb160), in place of the heuristic's: for measuring the
   // heuristic's choices. What follows is w4a16's; w4a8 takes only the names. With either set the layer runs two launches (fused only
   // where `fused` is true and both GEMMs take one fusable tile) without early start; neither may be
   // set with absorbing_tile. run() and MoePlan::describe reject an unknown name (listing the

@@ -712,10 +712,12 @@ TEST(BackendTable, W4a8TilesFollowTheHeuristicOrTheTuning) {
   const runtime::W4a8Config decode = runtime::w4a8_heuristic(qwen3_30b(), 1);
   EXPECT_STREQ(kW4a8Tiles[decode.l1].name, "fp8_narrow32");
   const runtime::W4a8Config prefill = runtime::w4a8_heuristic(qwen3_30b(), 16384);  // 1024 per expert
-  EXPECT_STREQ(kW4a8Tiles[prefill.l1].name, "fp8_single128");
-  EXPECT_STREQ(kW4a8Tiles[prefill.l2].name, "fp8_single128");
+  EXPECT_STREQ(kW4a8Tiles[prefill.l1].name, "fp8_absorb160");
+  EXPECT_STREQ(kW4a8Tiles[prefill.l2].name, "fp8_absorb160");
   for (const runtime::W4a8Tile& t : kW4a8Tiles) {
     EXPECT_EQ(t.block_m_tiles * 64 * t.block_n, t.warp_specialized ? 128 * 128 : 64 * t.block_n) << t.name;
+    // The one absorbing row is the 128-token step the device's kTileStep gives 160.
+    EXPECT_EQ(t.tile_step, t.block_n == 160 ? 128 : t.block_n) << t.name;
   }
 
   MoeProblem p = qwen3_30b();

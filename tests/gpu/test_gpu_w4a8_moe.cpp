@@ -385,10 +385,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"deepseek_v3_T600_absorb", 7168, 2048, 4, 2, 600, 0, std::nullopt, -1, {}, "fp8_absorb160"},
                       Case{"qwen3_30b_T4096_absorb", 2048, 768, 16, 2, 4096, 0, std::nullopt, -1, {},
                            "fp8_absorb160"},
-                      Case{"expert_sizes_absorb_plain", 256, 128, 8, 1, 1005, 0, std::nullopt, -1,
-                           {129, 160, 161, 0, 300, 127, 128, 0}, "fp8_absorb160_plain"},
-                      Case{"deepseek_v3_T600_absorb_plain", 7168, 2048, 4, 2, 600, 0, std::nullopt, -1, {},
-                           "fp8_absorb160_plain"}),
+                      Case{"deepseek_v3_wide_items_absorb", 7168, 2048, 4, 1, 600, 0, std::nullopt, -1,
+                           {150, 140, 160, 150}, "fp8_absorb160"}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 // A captured run replays to the eager output, bit for bit (deterministic combine).

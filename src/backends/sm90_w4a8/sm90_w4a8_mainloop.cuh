@@ -33,9 +33,9 @@ namespace megamoe::kernels::sm90 {
 template <int kBlockN, bool kOverlap = false>
 struct W4a8SmemLayout {
   // The overlapped loop waits for block kb + 1 while block kb's wgmmas run, one block less ahead:
-  // one stage more keeps the same depth of copies in flight, but for the 160-token tile, where a
-  // fifth stage would leave room for one CTA per SM instead of two.
-  static constexpr int kStages = kBlockN > 128 ? 4 : (kBlockN == 128 ? 4 : 8) + (kOverlap ? 1 : 0);
+  // one stage more keeps the same depth of copies in flight. 32 tokens: 7 stages and the decode
+  // table leave room for three CTAs per SM (8 stages did before the table). 160: 4 stages, two.
+  static constexpr int kStages = kBlockN > 128 ? 4 : (kBlockN == 128 ? 4 : 7) + (kOverlap ? 1 : 0);
   static constexpr int kBBytes = kBlockN * w4a8::kActBlock;
   static constexpr int kWCodeOffset = kBBytes;
   static constexpr int kWCodeBytes = 2 * w4a16::kCodeBytesPerTile;

@@ -58,11 +58,13 @@ std::string W4a8Config::to_string() const {
 }
 
 W4a8Config w4a8_heuristic(const MoeProblem& p, int64_t tokens) {
-  // Slots per routed expert under uniform routing: up to 32 the narrow tile wastes less MMA. The
-  // warp-specialized tiles are not faster than the one-warpgroup 128-token tile on the H200 yet
+  // Slots per routed expert under uniform routing: up to 32 the narrow tile wastes less MMA; above,
+  // the absorbing tile, whose 128-token items run the 128-token tile's loop and whose expert's
+  // remainder of up to 32 slots costs no item (docs/perf/2026-11-29-h200-w4a8-v43.md). The
+  // warp-specialized tiles are not faster than the one-warpgroup tiles on the H200 yet
   // (docs/perf/2026-11-29-h200-w4a8-v40.md), so the heuristic does not pick them.
   const double per_expert = static_cast<double>(tokens) * p.top_k / static_cast<double>(p.num_experts);
-  const int tile = per_expert <= 32.0 ? kW4a8TileNarrow32 : kW4a8TileSingle128;
+  const int tile = per_expert <= 32.0 ? kW4a8TileNarrow32 : kW4a8TileAbsorb160;
   return {tile, tile};
 }
 
@@ -109,7 +111,7 @@ struct W4a8Kernel {
 };
 template <bool kIsL1, int kBlockN, bool kOverlap = false>
 using W4a8OneWarpgroup = W4a8Kernel<&k90::w4a8_grouped_gemm_kernel<kIsL1, kBlockN, kOverlap>,
-                                    k90::detail::kW4a8Threads, k90::W4a8SmemLayout<kBlockN, kOverlap>::kAllocBytes>;
+                                    k90::detail::kW4a8Threads, k90::detail::kW4a8KernelSmem<kBlockN, kOverlap>>;
 template <bool kIsL1, int kMTiles>
 using W4a8WarpSpecialized = W4a8Kernel<&k90::w4a8_ws_gemm_kernel<kIsL1, kMTiles>, k90::detail::kW4a8WsThreads,
                                        k90::detail::W4a8WsLayout<kMTiles>::kAllocBytes>;
@@ -124,8 +126,6 @@ void launch_gemm(int tile, const k90::W4a8GemmParams& params, int num_sms, int64
       return W4a8OneWarpgroup<kIsL1, 128, kW4a8Tiles[kW4a8TileSingle128].overlapped>::launch(params, num_sms, max_work,
                                                                                             stream);
     case kW4a8TileTall128: return W4a8WarpSpecialized<kIsL1, 2>::launch(params, num_sms, max_work, stream);
-    case kW4a8TileAbsorb160Plain:
-      return W4a8OneWarpgroup<kIsL1, 160, false>::launch(params, num_sms, max_work, stream);
     case kW4a8TileAbsorb160:
       return W4a8OneWarpgroup<kIsL1, 160, kW4a8Tiles[kW4a8TileAbsorb160].overlapped>::launch(params, num_sms, max_work,
                                                                                             stream);
@@ -235,8 +235,6 @@ void load_w4a8_kernels() {
   W4a8OneWarpgroup<false, 128, kW4a8Tiles[kW4a8TileSingle128].overlapped>::blocks_per_sm();
   W4a8OneWarpgroup<true, 160, kW4a8Tiles[kW4a8TileAbsorb160].overlapped>::blocks_per_sm();
   W4a8OneWarpgroup<false, 160, kW4a8Tiles[kW4a8TileAbsorb160].overlapped>::blocks_per_sm();
-  W4a8OneWarpgroup<true, 160, false>::blocks_per_sm();
-  W4a8OneWarpgroup<false, 160, false>::blocks_per_sm();
   W4a8WarpSpecialized<true, 1>::blocks_per_sm();
   W4a8WarpSpecialized<false, 1>::blocks_per_sm();
   W4a8WarpSpecialized<true, 2>::blocks_per_sm();

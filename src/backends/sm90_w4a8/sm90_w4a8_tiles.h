@@ -18,6 +18,7 @@ struct W4a8Tile {
   int tile_step;          // tokens per work item but an expert's last (block_n, or less: absorbing)
   bool warp_specialized;  // producer + two consumers (else one warpgroup)
   bool overlapped;        // one warpgroup that decodes block kb + 1 while block kb's wgmmas run
+                          // (absorbing: on its tile_step-wide items)
 };
 inline constexpr W4a8Tile kW4a8Tiles[] = {
     {"fp8_narrow32", 1, 32, 32, false, false},
@@ -25,9 +26,8 @@ inline constexpr W4a8Tile kW4a8Tiles[] = {
     {"fp8_tall128", 2, 128, 128, true, false},
     {"fp8_wide256", 1, 256, 256, true, false},
     {"fp8_absorb160", 1, 160, 128, false, true},
-    {"fp8_absorb160_plain", 1, 160, 128, false, false},
 };
 inline constexpr int kW4a8TileNarrow32 = 0, kW4a8TileSingle128 = 1, kW4a8TileTall128 = 2, kW4a8TileWide256 = 3,
-                     kW4a8TileAbsorb160 = 4, kW4a8TileAbsorb160Plain = 5;
+                     kW4a8TileAbsorb160 = 4;
 
 }  // namespace megamoe::runtime
