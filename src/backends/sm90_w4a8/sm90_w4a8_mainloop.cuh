@@ -1,9 +1,10 @@
 // The K loop of one W4A8 work item (one warpgroup, 64 weight rows x kBlockN tokens): per 128 of
 // K (one activation block), the tokens' codes (gathered by slot, 128-byte swizzle, zero past the
 // item's slots), their block scales and the weights' prepacked words stream through kStages
-// cp.async stages; the words are decoded to e4m3 (decode_k32), four k32 fp8 wgmmas accumulate
-// into a zeroed partial P, and acc += P * 2^e per token (docs/w4a8.md §4: the promotion that
-// keeps the tensor core's limited internal accumulation to 128 products).
+// cp.async stages; the words are decoded to e4m3 (decode_k32_table, the item's expert's table in
+// shared memory), four k32 fp8 wgmmas accumulate into a zeroed partial P, and acc += P * 2^e per
+// token (docs/w4a8.md §4: the promotion that keeps the tensor core's limited internal
+// accumulation to 128 products). kOverlap: block kb + 1 is decoded under block kb's wgmmas.
 #pragma once
 
 #include <cstdint>
