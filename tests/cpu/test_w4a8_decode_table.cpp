@@ -14,22 +14,13 @@
 #include "backends/sm90_w4a8/sm90_w4a8_decode_table.h"
 #include "backends/sm90_w4a8/sm90_w4a8_layout.h"
 #include "megamoe/format.h"
+#include "tests/common/w4a8_decode_cases.h"
 
 namespace megamoe {
 namespace {
 
 namespace w4a8 = kernels::sm90::w4a8;
 namespace w4a16 = kernels::sm90::w4a16;
-
-// Ue4m3 bytes a tensor with rescale exponent k may hold (6 * s * 2^-k <= 448).
-std::vector<uint8_t> scales_for(int k) {
-  std::vector<uint8_t> out;
-  for (int s = 0; s <= 0x7E; ++s) {
-    const uint8_t b = static_cast<uint8_t>(s);
-    if (format::w4a8_weight_rescale_exponent({&b, 1}) <= k) out.push_back(b);
-  }
-  return out;
-}
 
 // The table of docs/w4a8.md §3 for rows r0 (k0) and r1 (k1), laid out as the device's.
 std::vector<uint8_t> make_table(int k0, int k1) {
@@ -44,40 +35,6 @@ std::vector<uint8_t> make_table(int k0, int k1) {
     }
   }
   return t;
-}
-
-uint32_t read_u32(const std::vector<uint8_t>& t, uint32_t offset) {
-  return uint32_t{t[offset]} | uint32_t{t[offset + 1]} << 8 | uint32_t{t[offset + 2]} << 16 |
-         uint32_t{t[offset + 3]} << 24;
-}
-
-// The host run of decode_k32_table.
-std::array<uint32_t, 4> decode(const std::vector<uint8_t>& table, uint32_t even, uint32_t odd, uint32_t scale_word) {
-  const uint32_t off[4] = {w4a8::table_offset<0>(scale_word, 0), w4a8::table_offset<0>(scale_word, 1),
-                           w4a8::table_offset<1>(scale_word, 0), w4a8::table_offset<1>(scale_word, 1)};
-  const w4a8::TableOperands op = w4a8::table_operands(even, odd);
-  std::array<uint32_t, 4> a{};
-  for (int r = 0; r < 4; ++r) {
-    a[r] = w4a8::table_lookup(read_u32(table, off[r]), read_u32(table, off[r] + 4), op.selector[r], op.sign[r]);
-  }
-  return a;
-}
-
-// A step word holding code[p] at element p (sm90_w4a16_layout.h, code_bit_position).
-uint32_t step_word(const std::array<uint8_t, 8>& code) {
-  uint32_t w = 0;
-  for (int p = 0; p < 8; ++p) {
-    for (int b = 0; b < 4; ++b) w |= uint32_t{(code[p] >> b) & 1u} << w4a16::code_bit_position(p, b);
-  }
-  return w;
-}
-
-// Element p of a step word at (row offset 8 h, k offset from 2t).
-int element_at(int h, int k_offset) {
-  for (int p = 0; p < 8; ++p) {
-    if (w4a16::nibble_row_offset(p) == 8 * h && w4a16::nibble_k_offset(p) == k_offset) return p;
-  }
-  return -1;
 }
 
 TEST(W4a8DecodeTable, PrmtEmulationFollowsThePtxDefinition) {
@@ -104,45 +61,23 @@ TEST(W4a8DecodeTable, EveryScaleCodeAndRescaleExponentIsTheDefinedWeight) {
   for (int k = w4a8::kMinRescaleExponent; k <= w4a8::kMaxRescaleExponent; ++k) {
     const int k_up = w4a8::kMaxRescaleExponent + w4a8::kMinRescaleExponent - k;  // the other end
     const std::vector<uint8_t> table = make_table(k, k_up);
-    const std::vector<uint8_t> valid = scales_for(k), valid_up = scales_for(k_up);
-    const size_t n = std::max(valid.size(), valid_up.size());
-    for (size_t i = 0; i < n; ++i) {
-      // Slot (h, step) gets its own scale; over i every slot sees every valid scale.
-      uint8_t scale[2][2];
-      for (int h = 0; h < 2; ++h) {
-        const std::vector<uint8_t>& v = h ? valid_up : valid;
-        for (int s = 0; s < 2; ++s) scale[h][s] = v[(i + static_cast<size_t>(3 * s)) % v.size()];
-      }
-      const uint16_t half0 = w4a16::scale_half(w4a16::encode_scale(scale[0][0]), w4a16::encode_scale(scale[0][1]));
-      const uint16_t half1 = w4a16::scale_half(w4a16::encode_scale(scale[1][0]), w4a16::encode_scale(scale[1][1]));
-      const uint32_t scale_word = uint32_t{half0} | uint32_t{half1} << 16;
-      for (int c = 0; c < 16; ++c) {
-        // Element p of step s holds code (c + 5p + 3s) % 16: over c, every code at every element.
-        std::array<uint8_t, 8> code[2];
-        for (int s = 0; s < 2; ++s) {
-          for (int p = 0; p < 8; ++p) {
-            const int row_h = w4a16::nibble_row_offset(p) / 8;
-            // The prepack stores codes 0 where the block's scale is 0.
-            code[s][p] = scale[row_h][s] == 0 ? 0 : static_cast<uint8_t>((c + 5 * p + 3 * s) % 16);
-          }
-        }
-        const std::array<uint32_t, 4> a = decode(table, step_word(code[0]), step_word(code[1]), scale_word);
-        for (int r = 0; r < 4; ++r) {
-          const int h = r & 1, s = r >> 1;
-          for (int byte = 0; byte < 4; ++byte) {
-            // Register r, byte `byte` of thread t is fragment position 16 s + 4t + byte, logical k
-            // 16 s + 2t + offset: the step word element at (row r0 + 8 h, k offset 2t + offset).
-            const int k_offset = w4a8::k_of_position(byte);  // thread 0: the offset from 2t
-            const int p = element_at(h, k_offset);
-            ASSERT_GE(p, 0);
-            const uint8_t want = format::w4a8_weight_e4m3(code[s][p], scale[h][s], h ? k_up : k);
-            const uint8_t got = static_cast<uint8_t>(a[r] >> (8 * byte));
-            ++checked;
-            if (got != want && ++mismatches <= 8) {
-              ADD_FAILURE() << "k " << k << "/" << k_up << ", register " << r << ", byte " << byte << ": code "
-                            << int(code[s][p]) << ", scale 0x" << std::hex << int(scale[h][s]) << ": got 0x"
-                            << int(got) << ", want 0x" << int(want);
-            }
+    for (const testing::W4a8DecodeCase& f : testing::w4a8_decode_cases(k, k_up)) {
+      const std::array<uint32_t, 4> a = testing::w4a8_table_decode_host(table, f.word[0], f.word[1], f.scale_word);
+      for (int r = 0; r < 4; ++r) {
+        const int h = r & 1, s = r >> 1;
+        for (int byte = 0; byte < 4; ++byte) {
+          // Register r, byte `byte` of thread t is fragment position 16 s + 4t + byte, logical k
+          // 16 s + 2t + offset: the step word element at (row r0 + 8 h, k offset 2t + offset).
+          const int k_offset = w4a8::k_of_position(byte);  // thread 0: the offset from 2t
+          const int p = testing::w4a16_element_at(h, k_offset);
+          ASSERT_GE(p, 0);
+          const uint8_t want = format::w4a8_weight_e4m3(f.code[s][p], f.scale[h][s], h ? k_up : k);
+          const uint8_t got = static_cast<uint8_t>(a[r] >> (8 * byte));
+          ++checked;
+          if (got != want && ++mismatches <= 8) {
+            ADD_FAILURE() << "k " << k << "/" << k_up << ", register " << r << ", byte " << byte << ": code "
+                          << int(f.code[s][p]) << ", scale 0x" << std::hex << int(f.scale[h][s]) << ": got 0x"
+                          << int(got) << ", want 0x" << int(want);
           }
         }
       }
@@ -159,7 +94,7 @@ TEST(W4a8DecodeTable, RegisterBytesFollowTheTableKOrderForEveryThread) {
     for (int i = 0; i < 4; ++i) {
       const int k = w4a8::k_of_position(4 * t + i);
       for (int h = 0; h < 2; ++h) {
-        const int p = element_at(h, k - 2 * t);
+        const int p = testing::w4a16_element_at(h, k - 2 * t);
         ASSERT_GE(p, 0) << "t " << t << ", byte " << i;
         EXPECT_EQ(2 * t + w4a16::nibble_k_offset(p), k);
       }

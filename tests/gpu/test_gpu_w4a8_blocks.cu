@@ -28,6 +28,7 @@
 #include "megamoe/dtype.h"
 #include "megamoe/format.h"
 #include "tests/common/error_matchers.h"
+#include "tests/common/w4a8_decode_cases.h"
 #include "tests/common/test_util.h"
 
 namespace megamoe {
@@ -115,23 +116,13 @@ void for_each_fragment_byte(const std::vector<uint8_t>& bytes, Check check) {
   }
 }
 
-// Ue4m3 bytes a tensor with rescale exponent k may hold (6 * s * 2^-k <= 448).
-std::vector<uint8_t> scales_for(int k) {
-  std::vector<uint8_t> out;
-  for (int s = 0; s <= 0x7E; ++s) {
-    const uint8_t b = static_cast<uint8_t>(s);
-    if (format::w4a8_weight_rescale_exponent({&b, 1}) <= k) out.push_back(b);
-  }
-  return out;
-}
-
 TEST(GpuW4a8Decode, EveryScaleCodeAndRescaleExponentIsTheDefinedWeight) {
   MEGAMOE_REQUIRE_GPU();
   for (int k = w4a8::kMinRescaleExponent; k <= w4a8::kMaxRescaleExponent; ++k) {
     SCOPED_TRACE(::testing::Message() << "k = " << k);
     // 512 blocks cycle through every scale byte a tensor of this k may hold (127 at k = 3); each
     // block holds all 16 codes, in an order that depends on the row and the block.
-    const std::vector<uint8_t> valid = scales_for(k);
+    const std::vector<uint8_t> valid = testing::w4a8_scales_for(k);
     std::vector<uint8_t> codes(kRows * kK / 2), scales(kRows * kK / 16);
     for (size_t b = 0; b < scales.size(); ++b) scales[b] = valid[b % valid.size()];
     for (int r = 0; r < kRows; ++r) {
