@@ -145,10 +145,11 @@ void launch_quantize(const T* x, int64_t rows, int64_t cols, uint8_t* codes, flo
   gpu::check_cuda(cudaGetLastError(), "quantize_act_kernel launch");
 }
 
-// Upper bound of a GEMM's work items (sizes its grid): min(E', slots) experts hold tokens.
+// Upper bound of a GEMM's work items (sizes its grid): min(E', slots) experts hold tokens, each
+// in items of tile_step slots but its last (the absorbing tile's may take more: never more items).
 int64_t max_work_items(const PipelineRun& r, const W4a8Tile& tile, int64_t m_tiles) {
   const int64_t slots = r.tokens * r.slots_per_token, active = std::min(r.virtual_experts, slots);
-  return m_tiles / tile.block_m_tiles * ((slots + active * (tile.block_n - 1)) / tile.block_n);
+  return m_tiles / tile.block_m_tiles * ((slots + active * (tile.tile_step - 1)) / tile.tile_step);
 }
 
 GemmSchedule schedule_of(const W4a8Tile& tile) { return {tile.block_m_tiles, tile.block_n, tile.tile_step, 1}; }
