@@ -16,7 +16,8 @@
 // second only moves the exponent into the normal range.
 //
 // Cost of one k32 fragment (16 weights), sm_90a SASS: 59 instructions (the codes: 30 LOP3 /
-// IMAD / SHF, 15 per step word; the scales: 5; 16 HMUL2, some issued as HFMA2.MMA; 8 F2FP).
+// IMAD / SHF, 15 per step word; the scales: 5; 16 HMUL2, some issued as HFMA2.MMA; 8 F2FP), and
+// 4 PRMT into the fragment K order, 63.
 // The table form of docs/w4a8.md §3 (decode_k32_table below, sm90_w4a8_decode_table.h) takes 39:
 // its PRMT selectors are gathered from both step words at once, at the price of a per-CTA
 // shared-memory table (3840 bytes, filled per item), 4 LDS.64 per fragment whose rows differ per
