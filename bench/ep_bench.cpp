@@ -217,6 +217,24 @@ void run_ep_bench_rank(const EpRankSetup& setup, int rank) {
     mine.check_rel_l2 = reference_rel_l2(layer, x, topk, got, rows, &rows_nonfinite);
     mine.us = timed_median_us([&] { ep_graph.launch(stream); }, opt.iters, 2, stream, flush, &comm);
     ep.check(stream);
+    if (R > 1) {
+      // The stages, from the device's stamps of as many replays again, run as the timed ones.
+      std::vector<std::vector<double>> stage(EpRankPoint::kStages);
+      for (int it = 0; it < opt.iters; ++it) {
+        flush.run(stream, it);
+        comm.barrier(stream);
+        ep_graph.launch(stream);
+        const MoeEpLayer::StageStamps st = ep.stage_stamps(stream);
+        const uint64_t at[EpRankPoint::kStages] = {st.send_end,    st.gate_begin,    st.gate_open,
+                                                  st.return_begin, st.return_end,    st.combine_begin,
+                                                  st.partials_arrived, st.combine_end};
+        for (int i = 0; i < EpRankPoint::kStages; ++i) {
+          stage[static_cast<size_t>(i)].push_back(1e-3 * static_cast<double>(static_cast<int64_t>(at[i] - st.send_begin)));
+        }
+      }
+      ep.check(stream);
+      for (int i = 0; i < EpRankPoint::kStages; ++i) mine.stage_us[i] = median(stage[static_cast<size_t>(i)]);
+    }
 
     // ---- baseline (a): checked against the EP layer's output, then timed whole and compute-only
     if (unfused) {

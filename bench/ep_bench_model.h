@@ -151,7 +151,16 @@ struct EpRankPoint {
   double a_rel_l2_vs_ep = 0;       // (a)'s output against the EP layer's, every row
   int64_t a_nonfinite = 0;
   uint64_t inputs_fnv1a = 0;       // this rank's hidden, ids and weights
+  // The layer's stage stamps (MoeEpLayer::StageStamps after send_begin, in its order), µs from
+  // send_begin, medians over separate replays of the timed graph; -1 where the layer has none
+  // (world size 1).
+  static constexpr int kStages = 8;
+  double stage_us[kStages] = {-1, -1, -1, -1, -1, -1, -1, -1};
 };
+// The names of EpRankPoint::stage_us, in its order.
+inline constexpr const char* kEpStageNames[EpRankPoint::kStages] = {
+    "send_end", "gate_begin", "gate_open", "return_begin", "return_end", "combine_begin", "partials_arrived",
+    "combine_end"};
 
 // Baseline (b) at one point, run on rank 0 alone.
 struct EpSingleGpuPoint {

@@ -113,6 +113,11 @@ nlohmann::json to_json(const EpPointResult& p) {
     char hex[17];
     std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(m.inputs_fnv1a));
     rj["inputs_fnv1a"] = hex;
+    if (m.stage_us[0] >= 0) {
+      nlohmann::json st;
+      for (int i = 0; i < EpRankPoint::kStages; ++i) st[kEpStageNames[i]] = m.stage_us[i];
+      rj["stages_us_from_send_begin"] = st;
+    }
     if (p.baselines) {
       rj["unfused_us"] = m.a_us;
       rj["unfused_compute_us"] = m.a_compute_us;
@@ -195,6 +200,15 @@ nlohmann::json ep_run_header(const EpRunInfo& run) {
 void print_ep_point(const EpPointResult& point) {
   const int R = static_cast<int>(point.ranks.size());
   std::printf("%s\n", ep_table_row(point).c_str());
+  for (int r = 0; r < R; ++r) {
+    const double* st = point.ranks[static_cast<size_t>(r)].stage_us;
+    if (st[0] < 0) continue;
+    // Offsets from the send's start, on the rank's own clock: the send, the dispatch's wait for
+    // the peers' rows, the local experts, the return, the wait for the peers' partial sums.
+    std::printf("        rank %d stages, us from send start: sent %.1f | gate %.1f -> open %.1f | return %.1f -> "
+                "%.1f | combine %.1f -> partials %.1f -> end %.1f\n",
+                r, st[0], st[1], st[2], st[3], st[4], st[5], st[6], st[7]);
+  }
   if (!ep_point_pass(point)) {
     for (int r = 0; r < R; ++r) {
       const EpRankPoint& m = point.ranks[static_cast<size_t>(r)];

@@ -199,6 +199,23 @@ class MoeEpLayer {
   };
   void run(const MoeRunArgs& args, cudaStream_t stream, const StageEvents& stages);
 
+  // %globaltimer stamps (ns on this GPU's clock; clocks of different GPUs are not aligned) of the
+  // last run's stages on this rank, taken on the device, so graph replays record them too:
+  //   send_begin/send_end            the send kernel's first CTA starts / its last CTA has
+  //                                  published the rows to every destination
+  //   gate_begin/gate_open           the local dispatch starts waiting for every source's rows /
+  //                                  has them (the local experts run from here)
+  //   return_begin/return_end        the return starts (the local experts and their combine are
+  //                                  done) / its last CTA has told every source
+  //   combine_begin/partials_arrived the combine starts / has every destination's partial sums
+  //   combine_end                    the combine's last CTA ends the run
+  // Synchronises `stream`. At world size 1 (no exchange) every stamp is 0.
+  struct StageStamps {
+    uint64_t send_begin, send_end, gate_begin, gate_open, return_begin, return_end, combine_begin,
+        partials_arrived, combine_end;
+  };
+  StageStamps stage_stamps(cudaStream_t stream) const;
+
   // Synchronises `stream` and throws megamoe::Error(kCuda) if a wait of any earlier run failed (a
   // peer never arrived, or gave up: the outputs since are undefined; the message names the rank
   // that gave up first and where), or with the CUDA error. A replayed graph's failure surfaces

@@ -3,6 +3,7 @@
 // sm90_ep_exchange.cuh over the windows of a transport (ep_transport.h), laid out as
 // ep_window_layout.h says.
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -485,8 +486,8 @@ void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const S
   }
 
   mark(&StageEvents::start);
-  const unsigned send_blocks = static_cast<unsigned>(std::clamp<int64_t>((args.tokens + 7) / 8, 1, 1024));
-  k90::ep_send_kernel<<<send_blocks, 256, 0, stream>>>(p);
+  const unsigned send_blocks = static_cast<unsigned>(std::clamp<int64_t>(args.tokens, 1, 1024));
+  k90::ep_send_kernel<<<send_blocks, k90::kExchangeThreads, 0, stream>>>(p);
   check_cuda(cudaGetLastError(), "ep_send_kernel launch");
   // From here on the peers count on this run: a host failure leaves the group unusable.
   try {
@@ -523,17 +524,18 @@ void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const S
     gated.gate.epoch = &g.state->epoch;
     gated.gate.rows = &g.state->rows;
     gated.gate.published = &g.state->gate_rows;
+    gated.gate.stamps = &g.state->stamps[k90::kStampGateBegin];
     gated.gate.failure = p.failure;
     gated.hint = std::min<int64_t>(std::max<int64_t>(args.tokens, 1), local.tokens);
     runtime::run_gated(*m.routed_plan, *m.routed_weights, local, gated, stream);
     mark(&StageEvents::computed);
 
     const int num_sms = m.routed_plan->num_sms();
-    const unsigned return_blocks = static_cast<unsigned>(std::clamp<int64_t>((R * max_t + 7) / 8, 1, 2 * num_sms));
-    runtime::launch_dependent(&k90::ep_return_kernel, return_blocks, 256, 0, stream, p);
+    const unsigned return_blocks = static_cast<unsigned>(std::clamp<int64_t>(R * max_t, 1, 2 * num_sms));
+    runtime::launch_dependent(&k90::ep_return_kernel, return_blocks, k90::kExchangeThreads, 0, stream, p);
     mark(&StageEvents::returned);
     const unsigned combine_blocks = static_cast<unsigned>(std::clamp<int64_t>(args.tokens, 1, 1024));
-    runtime::launch_dependent(&k90::ep_combine_kernel, combine_blocks, 256, 0, stream, p);
+    runtime::launch_dependent(&k90::ep_combine_kernel, combine_blocks, k90::kExchangeThreads, 0, stream, p);
     mark(&StageEvents::done);
   } catch (...) {
     g.broken = true;
@@ -575,6 +577,23 @@ void MoeEpLayer::check(cudaStream_t stream) const {
                 " s ", stage_name(F::kind(e)),
                 ": a peer rank never arrived (it failed, or does not call run() as often); every rank has "
                 "stopped exchanging, the outputs since are undefined");
+}
+
+static_assert(sizeof(MoeEpLayer::StageStamps) == sizeof(uint64_t) * k90::kStampCount &&
+                  offsetof(MoeEpLayer::StageStamps, combine_end) == sizeof(uint64_t) * k90::kStampCombineEnd,
+              "MoeEpLayer::StageStamps lists EpState's stamps in EpStamp order: keep the two in step");
+
+MoeEpLayer::StageStamps MoeEpLayer::stage_stamps(cudaStream_t stream) const {
+  const Impl& m = *impl_;
+  StageStamps out{};
+  if (m.single) {
+    check_cuda(cudaStreamSynchronize(stream), "MoeEpLayer::stage_stamps");
+    return out;
+  }
+  check_cuda(cudaMemcpyAsync(&out, m.group->state->stamps, sizeof(out), cudaMemcpyDeviceToHost, stream),
+             "cudaMemcpyAsync");
+  check_cuda(cudaStreamSynchronize(stream), "MoeEpLayer::stage_stamps");
+  return out;
 }
 
 int64_t MoeEpLayer::invalid_id_count(cudaStream_t stream) const {

@@ -33,6 +33,9 @@ struct TokenGate {
   // Optional: {epoch, rows} (the signal words' format), stored once the dispatch has settled the
   // rows, for GEMM CTAs that start before the dispatch ends (early start); null if none do.
   uint64_t* published = nullptr;
+  // Optional: two %globaltimer stamps of CTA 0, its wait's start and end (the layer's stage
+  // stamps, MoeEpLayer::stage_stamps); null: none.
+  uint64_t* stamps = nullptr;
   SignalFailure failure;
 };
 

@@ -259,6 +259,37 @@ TEST(GpuEpLoopback, MatchesTheReferenceOverAllRanks) {
   }
 }
 
+// Rows wider than one pass of the exchange's row copies (256 threads x 8 vectors of 16 bytes:
+// bf16 rows past H = 16384, fp32 partial sums past H = 8192) cross in several passes; the stage
+// stamps of the run come in stage order on every rank.
+TEST(GpuEpLoopback, WideRowsCrossInSeveralPasses) {
+  MEGAMOE_REQUIRE_GPU();
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
+  const int64_t H = 16384 + 512, I = 128, E = 8, max_t = 5;
+  const int k = 2, R = 2;
+  if (!loopback_available(R)) return;
+  const MoeLayer layer = testing::random_layer(rng, H, I, E, k, 128, 4.0f);
+  LoopbackLayer lb(layer, R, max_t, /*deterministic=*/false);
+  std::vector<RankIo> io = draw_inputs(rng, {max_t, 3}, H, E, k);
+  lb.run(io);
+  expect_matches_reference(layer, io, "H=" + std::to_string(H));
+  for (int r = 0; r < R; ++r) {
+    const MoeEpLayer::StageStamps st = lb.ranks[r].stage_stamps(lb.loopback.stream(r));
+    EXPECT_GT(st.send_begin, 0u) << "rank " << r;
+    // Each kernel's end follows its start; the gate opens once this rank's own send has
+    // published; the return's and the combine's grids wait for the kernels before them.
+    EXPECT_LE(st.send_begin, st.send_end) << "rank " << r;
+    EXPECT_LE(st.send_end, st.gate_open) << "rank " << r;
+    EXPECT_LE(st.gate_begin, st.gate_open) << "rank " << r;
+    EXPECT_LE(st.gate_open, st.return_begin) << "rank " << r;
+    EXPECT_LE(st.return_begin, st.return_end) << "rank " << r;
+    EXPECT_LE(st.return_end, st.combine_begin) << "rank " << r;
+    EXPECT_LE(st.combine_begin, st.partials_arrived) << "rank " << r;
+    EXPECT_LE(st.partials_arrived, st.combine_end) << "rank " << r;
+  }
+}
+
 // With world size 1 the layer is the single-GPU layer: the same bits as MoePlan + run.
 TEST(GpuEpLoopback, WorldSizeOneIsTheSingleGpuLayer) {
   MEGAMOE_REQUIRE_GPU();

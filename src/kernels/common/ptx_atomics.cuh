@@ -45,6 +45,9 @@ __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* ptr) {
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];\n" : "=l"(v) : "l"(ptr) : "memory");
   return v;
 }
+// A release and acquire fence for every GPU of the system (MEMBAR.ALL.SYS; __threadfence_system
+// is the sequentially consistent MEMBAR.SC.SYS, which the counter hand-offs do not need).
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;\n" ::: "memory"); }
 // GPU-scope forms, for words that only this GPU's kernels exchange.
 __device__ __forceinline__ void st_release_gpu(uint64_t* ptr, uint64_t v) {
   asm volatile("st.release.gpu.global.u64 [%0], %1;\n" :: "l"(ptr), "l"(v) : "memory");
@@ -58,6 +61,12 @@ __device__ __forceinline__ uint64_t ld_acquire_gpu(const uint64_t* ptr) {
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+// The same for a stage stamp: "memory" keeps it where it is among the loads and stores around it.
+__device__ __forceinline__ uint64_t stamp_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t)::"memory");
   return t;
 }
 

@@ -26,6 +26,21 @@
 
 namespace megamoe::kernels::sm90 {
 
+// The stages' %globaltimer stamps of a run (MoeEpLayer::StageStamps, in its order): CTA 0's
+// entry, or the last CTA's end, of each exchange kernel; the gate's are the dispatch's.
+enum EpStamp : int {
+  kStampSendBegin,
+  kStampSendEnd,
+  kStampGateBegin,
+  kStampGateOpen,
+  kStampReturnBegin,
+  kStampReturnEnd,
+  kStampCombineBegin,
+  kStampPartialsArrived,
+  kStampCombineEnd,
+  kStampCount
+};
+
 // A layer's exchange state on its own GPU (device memory, zero at creation).
 struct EpState {
   uint64_t epoch;                  // runs completed
@@ -35,6 +50,7 @@ struct EpState {
   int32_t failed;                  // SignalFailure::failed
   int32_t invalid[2];              // ids outside [0, E) by the run's parity
   uint64_t gate_rows;              // {epoch, rows} the gate let through (TokenGate::published)
+  uint64_t stamps[kStampCount];    // the last run's, EpStamp order
 };
 
 struct EpExchangeParams {
@@ -58,6 +74,13 @@ struct EpExchangeParams {
   runtime::SignalFailure failure;  // targets: this rank's sent and done slots in every peer
 };
 
+// Threads per CTA of the exchange kernels; a CTA moves one row at a time, each thread up to
+// kExchangeVecs 16-byte vectors of it per pass, every load of a pass issued before its stores:
+// one memory round trip per pass (a warp per row, load-store-load, took one per vector: ~15 us
+// for a 14 KB row).
+inline constexpr int kExchangeThreads = 256;
+inline constexpr int kExchangeVecs = 8;
+
 namespace ep_detail {
 
 __device__ __forceinline__ int owner_of(int64_t id, const EpExchangeParams& p) {
@@ -69,158 +92,230 @@ __device__ __forceinline__ uint64_t run_epoch(const EpExchangeParams& p) {
 }
 
 // Whether this CTA is the last of its grid to get here (every thread calls it). The CTA's
-// stores, peers' included, are ordered before the count (a barrier, then a system-scope fence,
-// as a grid barrier does), so the last CTA sees every CTA's.
+// stores, peers' included, are ordered before the count (a barrier, then a system-scope release
+// fence), and the last CTA's acquire fence orders every CTA's before what it does next.
 __device__ __forceinline__ bool last_cta(uint32_t* counter) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence_system();
+    ptx::fence_acq_rel_sys();
     last = atomicAdd(counter, 1u) == gridDim.x - 1;
     if (last) {
       *counter = 0;  // every CTA has counted: ready for the next run
-      __threadfence_system();
+      ptx::fence_acq_rel_sys();
     }
   }
   __syncthreads();
   return last;
 }
 
+// Thread 0 of CTA 0 stamps `which` (a plain store: read after the run, never waited on).
+__device__ __forceinline__ void stamp_first(const EpExchangeParams& p, int which) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) p.state->stamps[which] = ptx::stamp_ns();
+}
+
+// The CTA copies `n` 16-byte vectors from `src` to each of `dst[d]` for d in `mask`.
+template <class Vec>
+__device__ __forceinline__ void copy_row(const Vec* src, Vec* const* dst, uint32_t mask, int64_t n) {
+  for (int64_t base = threadIdx.x; base < n; base += int64_t{kExchangeThreads} * kExchangeVecs) {
+    Vec v[kExchangeVecs];
+#pragma unroll
+    for (int i = 0; i < kExchangeVecs; ++i) {
+      const int64_t j = base + i * kExchangeThreads;
+      if (j < n) v[i] = src[j];
+    }
+    for (uint32_t m = mask; m != 0; m &= m - 1) {
+      Vec* const out = dst[__ffs(m) - 1];
+#pragma unroll
+      for (int i = 0; i < kExchangeVecs; ++i) {
+        const int64_t j = base + i * kExchangeThreads;
+        if (j < n) out[j] = v[i];
+      }
+    }
+  }
+}
+
+// The ranks that hold any of token t's experts (every thread calls it; ends with a barrier).
+__device__ __forceinline__ uint32_t token_owners(const EpExchangeParams& p, int64_t t) {
+  __shared__ uint32_t owners;
+  if (threadIdx.x == 0) owners = 0;
+  __syncthreads();
+  if (t < p.tokens && threadIdx.x < p.top_k) {
+    const int owner = owner_of(p.topk_ids[t * p.top_k + threadIdx.x], p);
+    if (owner >= 0) atomicOr(&owners, 1u << owner);
+  }
+  __syncthreads();
+  const uint32_t out = owners;
+  __syncthreads();  // `owners` is rewritten by the next call
+  return out;
+}
+
 }  // namespace ep_detail
 
-// One warp per token of this rank (grid-stride): for each rank that owns any of its experts, a
-// row reserved there and filled (16-byte stores); the last CTA then publishes every
-// destination's {epoch, rows} (0 rows too: the destination waits for every source).
-__global__ void __launch_bounds__(256) ep_send_kernel(EpExchangeParams p) {
+// One CTA per token of this rank (grid-stride): warp 0 reserves the token's row at every rank
+// that owns any of its experts and writes its ids, weights and source there; then the CTA copies
+// the row to each. The last CTA publishes every destination's {epoch, rows} (0 rows too: the
+// destination waits for every source).
+__global__ void __launch_bounds__(kExchangeThreads) ep_send_kernel(EpExchangeParams p) {
+  __shared__ uint4* row_dst[ep::kMaxRanks];
+  __shared__ uint32_t dest_mask;
+  ep_detail::stamp_first(p, kStampSendBegin);
   const int lane = threadIdx.x % 32;
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
   const uint64_t epoch = ep_detail::run_epoch(p);
-  const bool failed = signal_failed(p.failure);
+  // The same for every thread: the warp's collectives below run on all lanes or none.
+  const bool failed = __syncthreads_or(signal_failed(p.failure));
   const int rank = p.peers.rank;
-  for (int64_t t = warp; t < p.tokens; t += warps) {
-    int32_t id = -1;
-    int owner = -1;
-    float weight = 0.0f;
-    if (lane < p.top_k) {
-      id = p.topk_ids[t * p.top_k + lane];
-      weight = p.topk_w[t * p.top_k + lane];
-      owner = ep_detail::owner_of(id, p);
-      if (owner < 0) atomicAdd(&p.state->invalid[epoch & 1], 1);
-    }
-    if (failed) continue;
-    uint32_t mask = __reduce_or_sync(0xffffffffu, owner >= 0 ? 1u << owner : 0u);
-    // Lane d reserves the row at destination d: one round trip for all destinations.
-    unsigned long long reserved = 0;
-    if (lane < p.peers.world && (mask >> lane & 1u)) {
-      reserved = atomicAdd_system(reinterpret_cast<unsigned long long*>(p.peers.flags[lane] + ep::kRecvCountWord), 1ull);
-      atomicAdd(&p.state->sent[lane], 1);
-    }
-    // A row past the receive buffer means the ranks disagree (groups of other sizes, or two runs
-    // of one group at once): fail loudly rather than write out of bounds.
-    const unsigned long long capacity = static_cast<unsigned long long>(p.peers.world * p.max_t);
-    if (__any_sync(0xffffffffu, reserved >= capacity)) {
-      if (lane == 0) signal_fail_here(p.failure, EpFailure::kStageSend);
-      continue;
-    }
-    while (mask != 0) {
-      const int d = __ffs(mask) - 1;
-      mask &= mask - 1;
-      const unsigned long long row = __shfl_sync(0xffffffffu, reserved, d);
-      char* const base = p.peers.base[d];
+  for (int64_t t = blockIdx.x; t < p.tokens; t += gridDim.x) {
+    if (threadIdx.x < 32) {
+      int32_t id = -1;
+      int owner = -1;
+      float weight = 0.0f;
       if (lane < p.top_k) {
-        const bool here = owner == d;
-        reinterpret_cast<int32_t*>(base + p.layout.recv_ids)[row * p.top_k + lane] =
-            here ? static_cast<int32_t>(id - d * p.experts_per_rank) : -1;
-        reinterpret_cast<float*>(base + p.layout.recv_w)[row * p.top_k + lane] = here ? weight : 0.0f;
+        id = p.topk_ids[t * p.top_k + lane];
+        weight = p.topk_w[t * p.top_k + lane];
+        owner = ep_detail::owner_of(id, p);
+        if (owner < 0) atomicAdd(&p.state->invalid[epoch & 1], 1);
       }
-      if (lane == 0) reinterpret_cast<int32_t*>(base + p.layout.recv_src)[row] = rank << 24 | static_cast<int32_t>(t);
-      const uint4* src = reinterpret_cast<const uint4*>(p.x + t * p.hidden);
-      uint4* dst = reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(base + p.layout.recv_x) + row * p.hidden);
-      for (int64_t i = lane; i < p.hidden / 8; i += 32) dst[i] = src[i];
+      uint32_t mask = __reduce_or_sync(0xffffffffu, owner >= 0 ? 1u << owner : 0u);
+      if (failed) mask = 0;
+      // Lane d reserves the row at destination d: one round trip for all destinations.
+      unsigned long long reserved = 0;
+      if (lane < p.peers.world && (mask >> lane & 1u)) {
+        reserved = atomicAdd_system(reinterpret_cast<unsigned long long*>(p.peers.flags[lane] + ep::kRecvCountWord), 1ull);
+        atomicAdd(&p.state->sent[lane], 1);
+      }
+      // A row past the receive buffer means the ranks disagree (groups of other sizes, or two
+      // runs of one group at once): fail loudly rather than write out of bounds.
+      const unsigned long long capacity = static_cast<unsigned long long>(p.peers.world * p.max_t);
+      if (__any_sync(0xffffffffu, reserved >= capacity)) {
+        if (lane == 0) signal_fail_here(p.failure, EpFailure::kStageSend);
+        mask = 0;
+      }
+      for (uint32_t m = mask; m != 0; m &= m - 1) {
+        const int d = __ffs(m) - 1;
+        const unsigned long long row = __shfl_sync(0xffffffffu, reserved, d);
+        char* const base = p.peers.base[d];
+        if (lane < p.top_k) {
+          const bool here = owner == d;
+          reinterpret_cast<int32_t*>(base + p.layout.recv_ids)[row * p.top_k + lane] =
+              here ? static_cast<int32_t>(id - d * p.experts_per_rank) : -1;
+          reinterpret_cast<float*>(base + p.layout.recv_w)[row * p.top_k + lane] = here ? weight : 0.0f;
+        }
+        if (lane == 0) {
+          reinterpret_cast<int32_t*>(base + p.layout.recv_src)[row] = rank << 24 | static_cast<int32_t>(t);
+          row_dst[d] = reinterpret_cast<uint4*>(reinterpret_cast<__nv_bfloat16*>(base + p.layout.recv_x) + row * p.hidden);
+        }
+      }
+      if (lane == 0) dest_mask = mask;
     }
+    __syncthreads();
+    ep_detail::copy_row(reinterpret_cast<const uint4*>(p.x + t * p.hidden), row_dst, dest_mask, p.hidden / 8);
+    __syncthreads();  // row_dst and dest_mask are rewritten for the next token
   }
   if (ep_detail::last_cta(&p.state->send_ctas) && threadIdx.x < p.peers.world) {
     const int d = static_cast<int>(threadIdx.x);
     const int32_t rows = atomicExch(&p.state->sent[d], 0);
     if (!signal_failed(p.failure)) ptx::st_release_sys(p.peers.flags[d] + ep::kSentWord + rank, signal_word(epoch, rows));
+    if (d == 0) p.state->stamps[kStampSendEnd] = ptx::stamp_ns();
   }
 }
 
-// One warp per row the gate let through (after the local combine, PDL): its partial sum to its
-// source's return slot. The last CTA resets the receive count (every source's rows of this run
-// have been reserved: the gate saw their words) and publishes {epoch} to every source.
-__global__ void __launch_bounds__(256) ep_return_kernel(EpExchangeParams p) {
+// One CTA per row the gate let through (grid-stride; after the local combine, PDL): its partial
+// sum to its source's return slot. The last CTA resets the receive count (every source's rows of
+// this run have been reserved: the gate saw their words) and publishes {epoch} to every source.
+__global__ void __launch_bounds__(kExchangeThreads) ep_return_kernel(EpExchangeParams p) {
+  __shared__ float4* row_dst[1];
   grid_dependency_wait();  // the local combine's output is complete from here on
-  const int lane = threadIdx.x % 32;
-  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * blockDim.x / 32;
+  ep_detail::stamp_first(p, kStampReturnBegin);
   const uint64_t epoch = ep_detail::run_epoch(p);
   const bool failed = signal_failed(p.failure);
   const char* const mine = p.peers.base[p.peers.rank];
   const int64_t rows = failed ? 0 : *reinterpret_cast<const volatile int32_t*>(&p.state->rows);
-  for (int64_t j = warp; j < rows; j += warps) {
-    const int32_t from = reinterpret_cast<const int32_t*>(mine + p.layout.recv_src)[j];
-    const int s = from >> 24;
-    const int64_t t = from & 0xffffff;
-    const float4* src = reinterpret_cast<const float4*>(p.local_out + j * p.hidden);
-    float4* dst = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.peers.base[s] + p.layout.ret) +
-                                            (static_cast<int64_t>(p.peers.rank) * p.max_t + t) * p.hidden);
-    for (int64_t i = lane; i < p.hidden / 4; i += 32) dst[i] = src[i];
+  for (int64_t j = blockIdx.x; j < rows; j += gridDim.x) {
+    if (threadIdx.x == 0) {
+      const int32_t from = reinterpret_cast<const int32_t*>(mine + p.layout.recv_src)[j];
+      const int s = from >> 24;
+      const int64_t t = from & 0xffffff;
+      row_dst[0] = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.peers.base[s] + p.layout.ret) +
+                                             (static_cast<int64_t>(p.peers.rank) * p.max_t + t) * p.hidden);
+    }
+    __syncthreads();
+    ep_detail::copy_row(reinterpret_cast<const float4*>(p.local_out + j * p.hidden), row_dst, 1u, p.hidden / 4);
+    __syncthreads();  // row_dst is rewritten for the next row
   }
   if (ep_detail::last_cta(&p.state->return_ctas)) {
     if (threadIdx.x == 0) {
       *reinterpret_cast<volatile unsigned long long*>(p.peers.flags[p.peers.rank] + ep::kRecvCountWord) = 0;
-      __threadfence_system();
     }
-    __syncthreads();
+    __syncthreads();  // the reset, before the done words' release
     if (threadIdx.x < p.peers.world && !signal_failed(p.failure)) {
       ptx::st_release_sys(p.peers.flags[threadIdx.x] + ep::kDoneWord + p.peers.rank, signal_word(epoch, 0));
     }
+    if (threadIdx.x == 0) p.state->stamps[kStampReturnEnd] = ptx::stamp_ns();
   }
 }
 
 // One CTA per token of this rank (at least one CTA: the last ends the run's epoch): waits for
 // every rank's done word, then Σ over the ranks that hold any of its experts, in rank order, of
-// their partial sums, then the shared expert, rounded to bf16 once.
-__global__ void __launch_bounds__(256) ep_combine_kernel(EpExchangeParams p) {
-  __shared__ uint32_t dest_mask;
+// their partial sums, then the shared expert, rounded to bf16 once. Each thread sums up to
+// kExchangeVecs vectors of 4 per pass, every rank's loads of a pass issued before its stores.
+__global__ void __launch_bounds__(kExchangeThreads) ep_combine_kernel(EpExchangeParams p) {
   grid_dependency_wait();  // the shared expert's output (and the return) are complete from here on
   const uint64_t epoch = ep_detail::run_epoch(p);
+  ep_detail::stamp_first(p, kStampCombineBegin);
+  // The first token's ranks while the partial sums are still on their way.
+  uint32_t mask = ep_detail::token_owners(p, blockIdx.x);
   if (threadIdx.x == 0) {
     wait_signal_words(p.peers.flags[p.peers.rank] + ep::kDoneWord, p.peers.world, epoch, EpFailure::kStageCombine,
                       p.failure);
   }
   __syncthreads();
-  const float* ret = reinterpret_cast<const float*>(p.peers.base[p.peers.rank] + p.layout.ret);
+  ep_detail::stamp_first(p, kStampPartialsArrived);
+  const float4* ret = reinterpret_cast<const float4*>(p.peers.base[p.peers.rank] + p.layout.ret);
+  const int64_t n = p.hidden / 4;
   for (int64_t t = blockIdx.x; t < p.tokens; t += gridDim.x) {
-    if (threadIdx.x == 0) dest_mask = 0;
-    __syncthreads();
-    if (threadIdx.x < p.top_k) {
-      const int owner = ep_detail::owner_of(p.topk_ids[t * p.top_k + threadIdx.x], p);
-      if (owner >= 0) atomicOr(&dest_mask, 1u << owner);
-    }
-    __syncthreads();
-    const uint32_t mask = dest_mask;
-    for (int64_t v = threadIdx.x; v < p.hidden / 4; v += blockDim.x) {
-      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (t != blockIdx.x) mask = ep_detail::token_owners(p, t);
+    const float4* shared = p.shared_out != nullptr ? reinterpret_cast<const float4*>(p.shared_out) + t * n : nullptr;
+    for (int64_t base = threadIdx.x; base < n; base += int64_t{kExchangeThreads} * kExchangeVecs) {
+      float4 sum[kExchangeVecs];
+#pragma unroll
+      for (int i = 0; i < kExchangeVecs; ++i) sum[i] = make_float4(0.f, 0.f, 0.f, 0.f);
       for (int d = 0; d < p.peers.world; ++d) {
         if (!(mask >> d & 1u)) continue;
-        const float4 y = reinterpret_cast<const float4*>(ret + (static_cast<int64_t>(d) * p.max_t + t) * p.hidden)[v];
-        sum.x += y.x; sum.y += y.y; sum.z += y.z; sum.w += y.w;
+        const float4* y = ret + (static_cast<int64_t>(d) * p.max_t + t) * n;
+#pragma unroll
+        for (int i = 0; i < kExchangeVecs; ++i) {
+          const int64_t j = base + i * kExchangeThreads;
+          if (j < n) {
+            const float4 v = y[j];
+            sum[i].x += v.x; sum[i].y += v.y; sum[i].z += v.z; sum[i].w += v.w;
+          }
+        }
       }
-      if (p.shared_out != nullptr) {
-        const float4 y = reinterpret_cast<const float4*>(p.shared_out + t * p.hidden)[v];
-        sum.x += y.x; sum.y += y.y; sum.z += y.z; sum.w += y.w;
+      if (shared != nullptr) {
+#pragma unroll
+        for (int i = 0; i < kExchangeVecs; ++i) {
+          const int64_t j = base + i * kExchangeThreads;
+          if (j < n) {
+            const float4 v = shared[j];
+            sum[i].x += v.x; sum[i].y += v.y; sum[i].z += v.z; sum[i].w += v.w;
+          }
+        }
       }
-      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(p.out + t * p.hidden + 4 * v);
-      o[0] = __floats2bfloat162_rn(sum.x, sum.y);
-      o[1] = __floats2bfloat162_rn(sum.z, sum.w);
+#pragma unroll
+      for (int i = 0; i < kExchangeVecs; ++i) {
+        const int64_t j = base + i * kExchangeThreads;
+        if (j < n) {
+          __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(p.out + t * p.hidden + 4 * j);
+          o[0] = __floats2bfloat162_rn(sum[i].x, sum[i].y);
+          o[1] = __floats2bfloat162_rn(sum[i].z, sum[i].w);
+        }
+      }
     }
-    __syncthreads();  // dest_mask is rewritten for the next token
   }
   if (ep_detail::last_cta(&p.state->combine_ctas) && threadIdx.x == 0) {
     p.state->invalid[(epoch + 1) & 1] = 0;  // the next run's count
+    p.state->stamps[kStampCombineEnd] = ptx::stamp_ns();
     *reinterpret_cast<volatile uint64_t*>(&p.state->epoch) = epoch;
   }
 }

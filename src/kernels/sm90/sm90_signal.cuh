@@ -122,7 +122,10 @@ __device__ __forceinline__ int32_t gate_tokens(const runtime::TokenGate& g, int3
   __shared__ int32_t rows;
   if (threadIdx.x == 0) {
     const uint64_t epoch = *reinterpret_cast<const volatile uint64_t*>(g.epoch) + 1;
+    const bool stamp = g.stamps != nullptr && blockIdx.x == 0;
+    if (stamp) g.stamps[0] = ptx::stamp_ns();
     const int64_t sent = wait_signal_words(g.words, g.producers, epoch, g.stage, g.failure);
+    if (stamp) g.stamps[1] = ptx::stamp_ns();
     int32_t n = 0;
     if (sent >= 0) {
       const unsigned long long arrived = *reinterpret_cast<const volatile unsigned long long*>(g.count);
