@@ -93,10 +93,13 @@ __device__ __forceinline__ uint64_t run_epoch(const EpExchangeParams& p) {
 
 // Whether this CTA is the last of its grid to get here (every thread calls it). The CTA's
 // stores, peers' included, are ordered before the count (a barrier, then a system-scope release
-// fence), and the last CTA's acquire fence orders every CTA's before what it does next.
+// fence), and the last CTA's acquire fence orders every CTA's before what it does next. A grid of
+// one CTA needs only the barrier: what it does next is a release store (cumulative over the
+// stores the barrier ordered before it) or this GPU's own state for the next kernel.
 __device__ __forceinline__ bool last_cta(uint32_t* counter) {
   __shared__ bool last;
   __syncthreads();
+  if (gridDim.x == 1) return true;
   if (threadIdx.x == 0) {
     ptx::fence_acq_rel_sys();
     last = atomicAdd(counter, 1u) == gridDim.x - 1;
@@ -159,6 +162,7 @@ __device__ __forceinline__ uint32_t token_owners(const EpExchangeParams& p, int6
 __global__ void __launch_bounds__(kExchangeThreads) ep_send_kernel(EpExchangeParams p) {
   __shared__ uint4* row_dst[ep::kMaxRanks];
   __shared__ uint32_t dest_mask;
+  allow_dependent_launch();  // the gated dispatch may start its wait for the rows now
   ep_detail::stamp_first(p, kStampSendBegin);
   const int lane = threadIdx.x % 32;
   const uint64_t epoch = ep_detail::run_epoch(p);

@@ -69,11 +69,18 @@ k90::DispatchParams dispatch_params(const PipelineRun& r, const GemmSchedule& l1
 
 namespace {
 
+// A gated dispatch is launched programmatically: it reads nothing the kernel before it writes
+// (the exchange's send, or the shared expert's kernels, whose workspace is its own) but what its
+// gate acquires from the signal words, so it starts its wait while that kernel still runs.
 template <bool kGated>
 void launch_dispatch_kernels(k90::DispatchParams d, int64_t selections, cudaStream_t stream) {
   if (selections <= k90::kDispatchSingleCtaItems) {
-    k90::moe_dispatch_kernel<kGated><<<1, k90::kDispatchThreads, k90::kDispatchStageBytes, stream>>>(d);
-    gpu::check_cuda(cudaGetLastError(), "moe_dispatch_kernel launch");
+    if constexpr (kGated) {
+      launch_dependent(&k90::moe_dispatch_kernel<true>, 1, k90::kDispatchThreads, k90::kDispatchStageBytes, stream, d);
+    } else {
+      k90::moe_dispatch_kernel<false><<<1, k90::kDispatchThreads, k90::kDispatchStageBytes, stream>>>(d);
+      gpu::check_cuda(cudaGetLastError(), "moe_dispatch_kernel launch");
+    }
     return;
   }
   // At least kDispatchThreads selections per CTA, whole tokens, no empty CTA.
@@ -83,8 +90,13 @@ void launch_dispatch_kernels(k90::DispatchParams d, int64_t selections, cudaStre
   const int64_t tokens_per_cta = (T + want - 1) / want;
   const int64_t ctas = (T + tokens_per_cta - 1) / tokens_per_cta;
   d.tokens_per_cta = static_cast<int32_t>(tokens_per_cta);
-  k90::moe_dispatch_count_kernel<kGated><<<static_cast<unsigned>(ctas), k90::kDispatchThreads, 0, stream>>>(d);
-  gpu::check_cuda(cudaGetLastError(), "moe_dispatch_count_kernel launch");
+  if constexpr (kGated) {
+    launch_dependent(&k90::moe_dispatch_count_kernel<true>, static_cast<unsigned>(ctas), k90::kDispatchThreads, 0,
+                     stream, d);
+  } else {
+    k90::moe_dispatch_count_kernel<false><<<static_cast<unsigned>(ctas), k90::kDispatchThreads, 0, stream>>>(d);
+    gpu::check_cuda(cudaGetLastError(), "moe_dispatch_count_kernel launch");
+  }
   launch_dependent(&k90::moe_dispatch_place_kernel<kGated>, static_cast<unsigned>(ctas), k90::kDispatchThreads, 0,
                    stream, d);
 }
