@@ -205,8 +205,8 @@ class MoeEpLayer {
   //                                  published the rows to every destination
   //   gate_begin/gate_open           the local dispatch starts waiting for every source's rows /
   //                                  has them (the local experts run from here)
-  //   return_begin/return_end        the return starts (the local experts and their combine are
-  //                                  done) / its last CTA has told every source
+  //   return_begin/return_end        the local experts are done (their combine wrote every
+  //                                  partial sum into its source's buffer) / every source is told
   //   combine_begin/partials_arrived the combine starts / has every destination's partial sums
   //   combine_end                    the combine's last CTA ends the run
   // Synchronises `stream`. At world size 1 (no exchange) every stamp is 0.

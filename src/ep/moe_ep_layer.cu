@@ -78,9 +78,9 @@ struct DeviceAllocs {
   }
 };
 
-// The buffers the layers of a group share, one run at a time: the local experts' workspace and
-// outputs, the shared expert's, its constant ids and weights.
-enum class Scratch { kRoutedWorkspace, kSharedWorkspace, kLocalOut, kSharedOut, kSharedIds, kSharedOnes, kCount };
+// The buffers the layers of a group share, one run at a time: the local experts' workspace, the
+// shared expert's and its output, its constant ids and weights.
+enum class Scratch { kRoutedWorkspace, kSharedWorkspace, kSharedOut, kSharedIds, kSharedOnes, kCount };
 
 }  // namespace
 
@@ -221,7 +221,6 @@ struct MoeEpLayer::Impl {
   void* shared_ws = nullptr;
   int32_t* shared_ids = nullptr;  // [max_t] zeros: every token to the shared expert
   float* shared_w = nullptr;      // [max_t] ones
-  float* local_out = nullptr;     // [R * max_t, H]
   float* shared_out = nullptr;    // [max_t, H]
 };
 
@@ -320,7 +319,6 @@ MoeEpLayer MoeEpLayer::make(const EpGroup& group, const Shape& shape, bool deter
     m.shared_out = static_cast<float*>(g.scratch_at(Scratch::kSharedOut, static_cast<size_t>(max_t * H) * 4));
   }
   m.routed_ws = g.scratch_at(Scratch::kRoutedWorkspace, m.routed_plan->workspace_bytes());
-  m.local_out = static_cast<float*>(g.scratch_at(Scratch::kLocalOut, static_cast<size_t>(R * max_t * H) * 4));
   return out;
 }
 
@@ -472,7 +470,6 @@ void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const S
   p.topk_ids = args.topk_ids;
   p.topk_w = args.topk_weights;
   p.tokens = args.tokens;
-  p.local_out = m.local_out;
   p.shared_out = m.shared_plan && args.tokens > 0 ? m.shared_out : nullptr;
   p.out = reinterpret_cast<__nv_bfloat16*>(args.output);
   p.state = g.state;
@@ -513,7 +510,6 @@ void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const S
     local.topk_ids = reinterpret_cast<const int32_t*>(window + g.layout.recv_ids);
     local.topk_weights = reinterpret_cast<const float*>(window + g.layout.recv_w);
     local.tokens = R * max_t;
-    local.output_f32 = m.local_out;
     local.workspace = m.routed_ws;
     runtime::GatedTokens gated;
     gated.gate.words = g.transport->peers().flags[g.cfg.rank] + ep::kSentWord;
@@ -525,14 +521,17 @@ void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const S
     gated.gate.rows = &g.state->rows;
     gated.gate.published = &g.state->gate_rows;
     gated.gate.stamps = &g.state->stamps[k90::kStampGateBegin];
+    // The local combine writes each row's sum straight into its source's return slot.
+    for (int d = 0; d < R; ++d) gated.gate.returns.bases[d] = g.transport->peers().base[d];
+    gated.gate.returns.offset = g.layout.ret;
+    gated.gate.returns.first_row = static_cast<int64_t>(g.cfg.rank) * max_t;
+    gated.gate.returns.src = reinterpret_cast<const int32_t*>(window + g.layout.recv_src);
     gated.gate.failure = p.failure;
     gated.hint = std::min<int64_t>(std::max<int64_t>(args.tokens, 1), local.tokens);
     runtime::run_gated(*m.routed_plan, *m.routed_weights, local, gated, stream);
     mark(&StageEvents::computed);
 
-    const int num_sms = m.routed_plan->num_sms();
-    const unsigned return_blocks = static_cast<unsigned>(std::clamp<int64_t>(R * max_t, 1, 2 * num_sms));
-    runtime::launch_dependent(&k90::ep_return_kernel, return_blocks, k90::kExchangeThreads, 0, stream, p);
+    runtime::launch_dependent(&k90::ep_return_kernel, 1, 32, 0, stream, p);
     mark(&StageEvents::returned);
     const unsigned combine_blocks = static_cast<unsigned>(std::clamp<int64_t>(args.tokens, 1, 1024));
     runtime::launch_dependent(&k90::ep_combine_kernel, combine_blocks, k90::kExchangeThreads, 0, stream, p);
@@ -579,6 +578,7 @@ void MoeEpLayer::check(cudaStream_t stream) const {
                 "stopped exchanging, the outputs since are undefined");
 }
 
+static_assert(runtime::kMaxReturnRanks == ep::kMaxRanks, "ReturnRows holds a base per rank of a host");
 static_assert(sizeof(MoeEpLayer::StageStamps) == sizeof(uint64_t) * k90::kStampCount &&
                   offsetof(MoeEpLayer::StageStamps, combine_end) == sizeof(uint64_t) * k90::kStampCombineEnd,
               "MoeEpLayer::StageStamps lists EpState's stamps in EpStamp order: keep the two in step");

@@ -11,7 +11,10 @@
 namespace megamoe {
 namespace {
 
-void check_run_args(const MoePlan& plan, const runtime::DeviceWeightsAccess::Impl& w, const MoeRunArgs& args) {
+// `returned`: a gated run whose combine writes the rows' sums where they came from (ReturnRows):
+// it takes neither output.
+void check_run_args(const MoePlan& plan, const runtime::DeviceWeightsAccess::Impl& w, const MoeRunArgs& args,
+                    bool returned) {
   const MoeProblem& p = plan.problem();
   MEGAMOE_CHECK(w.shape.hidden_size == p.hidden_size && w.shape.intermediate_size == p.intermediate_size &&
                     w.shape.num_experts == p.num_experts &&
@@ -26,9 +29,15 @@ void check_run_args(const MoePlan& plan, const runtime::DeviceWeightsAccess::Imp
   if (args.tokens == 0) return;
   MEGAMOE_CHECK(args.hidden && args.topk_ids && args.topk_weights && args.workspace, kInvalidArgument,
                 "run: hidden, topk_ids, topk_weights and workspace must be device pointers, not null");
-  MEGAMOE_CHECK((args.output != nullptr) != (args.output_f32 != nullptr), kInvalidArgument,
-                "run: give exactly one of output (bf16) and output_f32 (fp32)");
+  if (returned) {
+    MEGAMOE_CHECK(args.output == nullptr && args.output_f32 == nullptr, kInternal,
+                  "run_gated: the rows' sums go to their sources' return buffers: no output is taken");
+  } else {
+    MEGAMOE_CHECK((args.output != nullptr) != (args.output_f32 != nullptr), kInvalidArgument,
+                  "run: give exactly one of output (bf16) and output_f32 (fp32)");
+  }
   const void* out = args.output != nullptr ? static_cast<const void*>(args.output) : args.output_f32;
+  if (out == nullptr) out = args.hidden;  // (returned: no output of its own to align)
   MEGAMOE_CHECK(reinterpret_cast<uintptr_t>(args.hidden) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(args.workspace) % 256 == 0,
                 kInvalidArgument, "run: hidden and output must be 16-byte aligned, workspace 256-byte aligned");
@@ -41,7 +50,7 @@ namespace {
 void run_checked(const MoePlan& plan, const MoeDeviceWeights& weights, const MoeRunArgs& args, cudaStream_t stream,
                  const runtime::GatedTokens* gated) {
   const auto& w = runtime::DeviceWeightsAccess::get(weights);
-  check_run_args(plan, w, args);
+  check_run_args(plan, w, args, gated != nullptr && gated->gate.returns.src != nullptr);
   if (args.tokens == 0) return;
   // kAuto's row for the tokens expected.
   const runtime::MoeBackend& row = runtime::PlanAccess::backend(plan, gated ? std::max<int64_t>(1, gated->hint) : args.tokens);

@@ -22,6 +22,18 @@ struct SignalFailure {
   int32_t rank = 0;           // reported in the poison
 };
 
+// Where a gated run's combine puts each row's fp32 sum where the rows came from elsewhere: straight
+// into the return buffer of the rank that sent the row (expert parallelism), not into output_f32.
+// Row r came from rank src[r] >> 24, its row src[r] & 0xffffff there; its sum goes to fp32 row
+// (first_row + that row) of bases[that rank] + offset. Null src: output_f32 as usual.
+inline constexpr int kMaxReturnRanks = 8;
+struct ReturnRows {
+  char* bases[kMaxReturnRanks] = {};
+  int64_t offset = 0;     // bytes
+  int64_t first_row = 0;  // this rank's first row in a source's buffer
+  const int32_t* src = nullptr;
+};
+
 struct TokenGate {
   const uint64_t* words = nullptr;  // [producers] {epoch, rows sent}, in this GPU's memory
   int32_t producers = 0;
@@ -37,6 +49,9 @@ struct TokenGate {
   // stamps, MoeEpLayer::stage_stamps); null: none.
   uint64_t* stamps = nullptr;
   SignalFailure failure;
+  // Optional: where the combine writes the rows' sums (see ReturnRows). The gate lets no row
+  // through (0 rows) once any wait of this rank has failed, so nothing is written into a peer then.
+  ReturnRows returns;
 };
 
 // What an early-starting GEMM CTA waits on: the dispatch's published {epoch, rows}. The dispatch

@@ -6,8 +6,9 @@
 //             from row 0); then one {epoch, rows} word per destination;
 //   (local)   the rank's gated dispatch (sm90_signal.cuh) waits for the R words and runs its
 //             experts on the rows that arrived, nothing more; the shared expert on its own tokens;
-//   return    each received row's fp32 partial sum goes to its source's return slot (a fixed
-//             slot: the source's row), then one {epoch} done word per source;
+//   return    the local combine writes each received row's fp32 partial sum straight into its
+//             source's return slot (a fixed slot: the source's row; runtime::ReturnRows), then
+//             one {epoch} done word per source;
 //   combine   waits for the R done words, sums the partials in rank order, adds the shared
 //             expert, rounds once: bitwise the same whatever the arrival order.
 // Epochs advance once per run in device memory (EpState), so graph replays stay in step and no
@@ -44,7 +45,7 @@ enum EpStamp : int {
 // A layer's exchange state on its own GPU (device memory, zero at creation).
 struct EpState {
   uint64_t epoch;                  // runs completed
-  uint32_t send_ctas, return_ctas, combine_ctas, unused;
+  uint32_t send_ctas, combine_ctas, unused[2];
   int32_t sent[ep::kMaxRanks];     // rows sent to each destination this run
   int32_t rows;                    // rows this rank's gate let through this run
   int32_t failed;                  // SignalFailure::failed
@@ -66,8 +67,7 @@ struct EpExchangeParams {
   const int32_t* topk_ids;  // [T, k] global ids
   const float* topk_w;      // [T, k]
   int64_t tokens;           // T of this rank
-  // Local results.
-  const float* local_out;   // [rows received, H] fp32: this rank's experts on what it received
+  // Local results (this rank's experts' sums go straight to their sources: runtime::ReturnRows).
   const float* shared_out;  // [T, H] fp32: the shared expert on this rank's tokens, or null
   __nv_bfloat16* out;       // [T, H] bf16
   EpState* state;
@@ -224,39 +224,23 @@ __global__ void __launch_bounds__(kExchangeThreads) ep_send_kernel(EpExchangePar
   }
 }
 
-// One CTA per row the gate let through (grid-stride; after the local combine, PDL): its partial
-// sum to its source's return slot. The last CTA resets the receive count (every source's rows of
-// this run have been reserved: the gate saw their words) and publishes {epoch} to every source.
-__global__ void __launch_bounds__(kExchangeThreads) ep_return_kernel(EpExchangeParams p) {
-  __shared__ float4* row_dst[1];
-  grid_dependency_wait();  // the local combine's output is complete from here on
+// One warp, after the local combine (PDL), which wrote every received row's partial sum straight
+// into its source's return slot (runtime::ReturnRows): resets the receive count (every source's
+// rows of this run have been reserved: the gate saw their words) and publishes {epoch} to every
+// source. The combine's stores, peers' included, are complete once its grid is (the wait below),
+// and each done word is a system-scope release after them.
+__global__ void __launch_bounds__(32) ep_return_kernel(EpExchangeParams p) {
+  grid_dependency_wait();
   ep_detail::stamp_first(p, kStampReturnBegin);
   const uint64_t epoch = ep_detail::run_epoch(p);
-  const bool failed = signal_failed(p.failure);
-  const char* const mine = p.peers.base[p.peers.rank];
-  const int64_t rows = failed ? 0 : *reinterpret_cast<const volatile int32_t*>(&p.state->rows);
-  for (int64_t j = blockIdx.x; j < rows; j += gridDim.x) {
-    if (threadIdx.x == 0) {
-      const int32_t from = reinterpret_cast<const int32_t*>(mine + p.layout.recv_src)[j];
-      const int s = from >> 24;
-      const int64_t t = from & 0xffffff;
-      row_dst[0] = reinterpret_cast<float4*>(reinterpret_cast<float*>(p.peers.base[s] + p.layout.ret) +
-                                             (static_cast<int64_t>(p.peers.rank) * p.max_t + t) * p.hidden);
-    }
-    __syncthreads();
-    ep_detail::copy_row(reinterpret_cast<const float4*>(p.local_out + j * p.hidden), row_dst, 1u, p.hidden / 4);
-    __syncthreads();  // row_dst is rewritten for the next row
+  if (threadIdx.x == 0) {
+    *reinterpret_cast<volatile unsigned long long*>(p.peers.flags[p.peers.rank] + ep::kRecvCountWord) = 0;
   }
-  if (ep_detail::last_cta(&p.state->return_ctas)) {
-    if (threadIdx.x == 0) {
-      *reinterpret_cast<volatile unsigned long long*>(p.peers.flags[p.peers.rank] + ep::kRecvCountWord) = 0;
-    }
-    __syncthreads();  // the reset, before the done words' release
-    if (threadIdx.x < p.peers.world && !signal_failed(p.failure)) {
-      ptx::st_release_sys(p.peers.flags[threadIdx.x] + ep::kDoneWord + p.peers.rank, signal_word(epoch, 0));
-    }
-    if (threadIdx.x == 0) p.state->stamps[kStampReturnEnd] = ptx::stamp_ns();
+  __syncwarp();  // the reset, before the done words' release
+  if (threadIdx.x < p.peers.world && !signal_failed(p.failure)) {
+    ptx::st_release_sys(p.peers.flags[threadIdx.x] + ep::kDoneWord + p.peers.rank, signal_word(epoch, 0));
   }
+  if (threadIdx.x == 0) p.state->stamps[kStampReturnEnd] = ptx::stamp_ns();
 }
 
 // One CTA per token of this rank (at least one CTA: the last ends the run's epoch): waits for

@@ -13,7 +13,8 @@
 namespace megamoe::kernels::sm90 {
 
 // One thread per 8 consecutive outputs (32-byte fp32 reads, 16-byte bf16 writes).
-// kGated: the tokens are those the dispatch's gate let through (CombineParams::tokens_dev).
+// kGated: the tokens are those the dispatch's gate let through (CombineParams::tokens_dev), and
+// with CombineParams::returns each row's fp32 sum goes to the rank it came from.
 template <bool kGated>
 __global__ void __launch_bounds__(256) moe_combine_kernel(CombineParams p) {
   grid_dependency_wait();  // the L2 results are complete from here on
@@ -42,6 +43,17 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(CombineParams p) {
         const float4 a = src[0], b = src[1];
         sum[0] += a.x * w; sum[1] += a.y * w; sum[2] += a.z * w; sum[3] += a.w * w;
         sum[4] += b.x * w; sum[5] += b.y * w; sum[6] += b.z * w; sum[7] += b.w * w;
+      }
+    }
+    if constexpr (kGated) {
+      if (p.returns.src != nullptr) {
+        const int32_t from = p.returns.src[t];
+        float4* dst = reinterpret_cast<float4*>(
+            reinterpret_cast<float*>(p.returns.bases[from >> 24] + p.returns.offset) +
+            (p.returns.first_row + (from & 0xffffff)) * p.hidden + h);
+        dst[0] = make_float4(sum[0], sum[1], sum[2], sum[3]);
+        dst[1] = make_float4(sum[4], sum[5], sum[6], sum[7]);
+        continue;
       }
     }
     if (p.out_f32 != nullptr) {

@@ -63,6 +63,7 @@ struct CombineParams {
   __nv_bfloat16* out;          // (T, H), or null when out_f32 is set
   float* out_f32;              // (T, H) fp32 before rounding, or null
   const int32_t* tokens_dev;   // the gated combine only: the tokens the dispatch's gate let through
+  runtime::ReturnRows returns; // the gated combine only: each row's sum to its source's buffer
 };
 
 }  // namespace megamoe::kernels::sm90

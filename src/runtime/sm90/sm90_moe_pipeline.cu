@@ -122,6 +122,7 @@ k90::CombineParams combine_params(const PipelineRun& r, const k90::DispatchParam
   c.out = reinterpret_cast<__nv_bfloat16*>(r.args.output);
   c.out_f32 = r.args.output_f32;
   c.tokens_dev = r.gate != nullptr ? r.gate->rows : nullptr;
+  if (r.gate != nullptr) c.returns = r.gate->returns;
   return c;
 }
 
