@@ -202,7 +202,8 @@ class MoeEpLayer {
   // %globaltimer stamps (ns on this GPU's clock; clocks of different GPUs are not aligned) of the
   // last run's stages on this rank, taken on the device, so graph replays record them too:
   //   send_begin/send_end            the send kernel's first CTA starts / its last CTA has
-  //                                  published the rows to every destination
+  //                                  published the rows (just after its release stores, so a
+  //                                  destination's gate may open a little before it)
   //   gate_begin/gate_open           the local dispatch starts waiting for every source's rows /
   //                                  has them (the local experts run from here)
   //   return_begin/return_end        the local experts are done (their combine wrote every

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kernels/common/pdl.cuh"
+#include "kernels/common/ptx_atomics.cuh"
 #include "kernels/sm90/sm90_moe_pipeline_params.cuh"
 
 namespace megamoe::kernels::sm90 {
@@ -66,6 +67,14 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(CombineParams p) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) res[i] = __float2bfloat16_rn(sum[i]);
     *reinterpret_cast<uint4*>(p.out + t * p.hidden + h) = *reinterpret_cast<const uint4*>(res);
+  }
+  if constexpr (kGated) {
+    // The rows' sums in peers' memory are performed for every GPU before this grid completes: the
+    // return's done words, released once it has, then order them for the peers that read them.
+    if (p.returns.src != nullptr) {
+      __syncthreads();
+      if (threadIdx.x == 0) ptx::fence_acq_rel_sys();
+    }
   }
 }
 

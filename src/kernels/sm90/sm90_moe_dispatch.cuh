@@ -306,11 +306,15 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_kernel(Dispa
     const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int64_t i = tid; i < p.zero_count / 4; i += kDispatchThreads) reinterpret_cast<float4*>(p.zero_first)[i] = zero;
   }
+  // Gated, launched programmatically: this grid completes only after the kernel before it, so
+  // the kernels after it that wait for it wait for that one too (the shared expert's output).
+  if constexpr (kGated) grid_dependency_wait();
 }
 
 // Multi-CTA dispatch, first kernel: each CTA counts the routed selections of its tokens per
-// expert into cta_counts[blockIdx.x] (and its invalid ids). Launched as an ordinary kernel: the
-// previous run's readers of cta_counts have completed.
+// expert into cta_counts[blockIdx.x] (and its invalid ids). The previous run's readers of
+// cta_counts have completed: it is launched as an ordinary kernel, or (gated) programmatically
+// after the exchange's send, an ordinary launch after them.
 template <bool kGated>
 __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_count_kernel(DispatchParams p) {
   __shared__ int32_t counts[kDispatchMaxExperts];
@@ -332,6 +336,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_count_kernel
   int32_t* out = p.cta_counts + static_cast<int64_t>(blockIdx.x) * p.num_experts;
   for (int e = tid; e < p.num_experts; e += kDispatchThreads) out[e] = counts[e];
   if (tid == 0) p.cta_invalid[blockIdx.x] = invalid;
+  if constexpr (kGated) grid_dependency_wait();  // as moe_dispatch_kernel's
 }
 
 // Multi-CTA dispatch, second kernel (same grid): every CTA sums the per-CTA counts into the
@@ -350,8 +355,14 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) moe_dispatch_place_kernel
   int32_t T = p.tokens;
   if constexpr (kGated) {
     // The count kernel's gate; none of its rows where any of its CTAs failed (they counted none).
+    // The rows are stored back as taken: the gated combine writes that many rows (into peers'
+    // memory when ReturnRows is set), and the count kernel's CTA 0 stored its own wait's count.
+    // No wait of this rank runs now, so every CTA reads the same failure flag.
     T = signal_failed(p.gate.failure) ? 0 : *reinterpret_cast<const volatile int32_t*>(p.gate.rows);
-    if (blockIdx.x == 0 && tid == 0) publish_gate_rows(p.gate, T);
+    if (blockIdx.x == 0 && tid == 0) {
+      *p.gate.rows = T;
+      publish_gate_rows(p.gate, T);
+    }
   }
   const int num_virtual = p.num_experts + p.shared_chunks;
   const bool publish = blockIdx.x == 0;

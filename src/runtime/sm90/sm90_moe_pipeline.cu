@@ -71,7 +71,9 @@ namespace {
 
 // A gated dispatch is launched programmatically: it reads nothing the kernel before it writes
 // (the exchange's send, or the shared expert's kernels, whose workspace is its own) but what its
-// gate acquires from the signal words, so it starts its wait while that kernel still runs.
+// gate acquires from the signal words, so it starts its wait while that kernel still runs; it
+// waits for that kernel before it ends, so that the kernels after it, which wait for it, also
+// wait for that one.
 template <bool kGated>
 void launch_dispatch_kernels(k90::DispatchParams d, int64_t selections, cudaStream_t stream) {
   if (selections <= k90::kDispatchSingleCtaItems) {
