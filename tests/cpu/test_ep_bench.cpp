@@ -439,6 +439,16 @@ TEST(EpBenchReport, JsonShapeAndVerdict) {
   s.single.skipped = "does not fit: ...";
   EXPECT_EQ(to_json(s)["single_gpu"]["skipped"], "does not fit: ...");
   EXPECT_NE(ep_table_row(s).find("no fit"), std::string::npos);
+  // A rank's stage stamps are written under their names where it has them (world size 1 has none).
+  EXPECT_FALSE(to_json(p)["ranks"][0].contains("stages_us_from_send_begin"));
+  EpPointResult st = tiny_point();
+  for (int i = 0; i < EpRankPoint::kStages; ++i) st.ranks[1].stage_us[i] = 1.5 * (i + 1);
+  const nlohmann::json sj = to_json(st);
+  EXPECT_FALSE(sj["ranks"][0].contains("stages_us_from_send_begin"));
+  ASSERT_TRUE(sj["ranks"][1].contains("stages_us_from_send_begin"));
+  EXPECT_DOUBLE_EQ(sj["ranks"][1]["stages_us_from_send_begin"]["send_end"].get<double>(), 1.5);
+  EXPECT_DOUBLE_EQ(sj["ranks"][1]["stages_us_from_send_begin"]["combine_end"].get<double>(), 12.0);
+  EXPECT_EQ(sj["ranks"][1]["stages_us_from_send_begin"].size(), static_cast<size_t>(EpRankPoint::kStages));
 }
 
 // ---- the launcher of the ranks
