@@ -138,6 +138,18 @@ __device__ __forceinline__ void copy_row(const Vec* src, Vec* const* dst, uint32
   }
 }
 
+// sum[i] += row[base + i * kExchangeThreads] over the pass's vectors within the row's n.
+__device__ __forceinline__ void add_pass(float4 (&sum)[kExchangeVecs], const float4* row, int64_t base, int64_t n) {
+#pragma unroll
+  for (int i = 0; i < kExchangeVecs; ++i) {
+    const int64_t j = base + i * kExchangeThreads;
+    if (j < n) {
+      const float4 v = row[j];
+      sum[i].x += v.x; sum[i].y += v.y; sum[i].z += v.z; sum[i].w += v.w;
+    }
+  }
+}
+
 // The ranks that hold any of token t's experts (every thread calls it; ends with a barrier).
 __device__ __forceinline__ uint32_t token_owners(const EpExchangeParams& p, int64_t t) {
   __shared__ uint32_t owners;
@@ -269,27 +281,9 @@ __global__ void __launch_bounds__(kExchangeThreads) ep_combine_kernel(EpExchange
 #pragma unroll
       for (int i = 0; i < kExchangeVecs; ++i) sum[i] = make_float4(0.f, 0.f, 0.f, 0.f);
       for (int d = 0; d < p.peers.world; ++d) {
-        if (!(mask >> d & 1u)) continue;
-        const float4* y = ret + (static_cast<int64_t>(d) * p.max_t + t) * n;
-#pragma unroll
-        for (int i = 0; i < kExchangeVecs; ++i) {
-          const int64_t j = base + i * kExchangeThreads;
-          if (j < n) {
-            const float4 v = y[j];
-            sum[i].x += v.x; sum[i].y += v.y; sum[i].z += v.z; sum[i].w += v.w;
-          }
-        }
+        if (mask >> d & 1u) ep_detail::add_pass(sum, ret + (static_cast<int64_t>(d) * p.max_t + t) * n, base, n);
       }
-      if (shared != nullptr) {
-#pragma unroll
-        for (int i = 0; i < kExchangeVecs; ++i) {
-          const int64_t j = base + i * kExchangeThreads;
-          if (j < n) {
-            const float4 v = shared[j];
-            sum[i].x += v.x; sum[i].y += v.y; sum[i].z += v.z; sum[i].w += v.w;
-          }
-        }
-      }
+      if (shared != nullptr) ep_detail::add_pass(sum, shared, base, n);
 #pragma unroll
       for (int i = 0; i < kExchangeVecs; ++i) {
         const int64_t j = base + i * kExchangeThreads;
