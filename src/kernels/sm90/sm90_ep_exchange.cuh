@@ -76,8 +76,8 @@ struct EpExchangeParams {
 
 // Threads per CTA of the exchange kernels; a CTA moves one row at a time, each thread up to
 // kExchangeVecs 16-byte vectors of it per pass, every load of a pass issued before its stores:
-// one memory round trip per pass (a warp per row, load-store-load, took one per vector: ~15 us
-// for a 14 KB row).
+// one memory round trip per pass, not one per vector (the loads cannot move past stores that may
+// alias them; docs/perf v44).
 inline constexpr int kExchangeThreads = 256;
 inline constexpr int kExchangeVecs = 8;
 
