@@ -36,8 +36,7 @@ void check_run_args(const MoePlan& plan, const runtime::DeviceWeightsAccess::Imp
     MEGAMOE_CHECK((args.output != nullptr) != (args.output_f32 != nullptr), kInvalidArgument,
                   "run: give exactly one of output (bf16) and output_f32 (fp32)");
   }
-  const void* out = args.output != nullptr ? static_cast<const void*>(args.output) : args.output_f32;
-  if (out == nullptr) out = args.hidden;  // (returned: no output of its own to align)
+  const void* out = args.output != nullptr ? static_cast<const void*>(args.output) : args.output_f32;  // null: returned
   MEGAMOE_CHECK(reinterpret_cast<uintptr_t>(args.hidden) % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 16 == 0 &&
                     reinterpret_cast<uintptr_t>(args.workspace) % 256 == 0,
                 kInvalidArgument, "run: hidden and output must be 16-byte aligned, workspace 256-byte aligned");

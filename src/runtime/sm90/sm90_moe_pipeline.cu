@@ -75,14 +75,21 @@ namespace {
 // waits for that kernel before it ends, so that the kernels after it, which wait for it, also
 // wait for that one.
 template <bool kGated>
+void launch_first_dispatch_kernel(void (*kernel)(k90::DispatchParams), unsigned grid, size_t smem,
+                                  const k90::DispatchParams& d, cudaStream_t stream, const char* what) {
+  if constexpr (kGated) {
+    launch_dependent(kernel, grid, k90::kDispatchThreads, smem, stream, d);
+  } else {
+    kernel<<<grid, k90::kDispatchThreads, smem, stream>>>(d);
+    gpu::check_cuda(cudaGetLastError(), what);
+  }
+}
+
+template <bool kGated>
 void launch_dispatch_kernels(k90::DispatchParams d, int64_t selections, cudaStream_t stream) {
   if (selections <= k90::kDispatchSingleCtaItems) {
-    if constexpr (kGated) {
-      launch_dependent(&k90::moe_dispatch_kernel<true>, 1, k90::kDispatchThreads, k90::kDispatchStageBytes, stream, d);
-    } else {
-      k90::moe_dispatch_kernel<false><<<1, k90::kDispatchThreads, k90::kDispatchStageBytes, stream>>>(d);
-      gpu::check_cuda(cudaGetLastError(), "moe_dispatch_kernel launch");
-    }
+    launch_first_dispatch_kernel<kGated>(&k90::moe_dispatch_kernel<kGated>, 1, k90::kDispatchStageBytes, d, stream,
+                                         "moe_dispatch_kernel launch");
     return;
   }
   // At least kDispatchThreads selections per CTA, whole tokens, no empty CTA.
@@ -92,13 +99,8 @@ void launch_dispatch_kernels(k90::DispatchParams d, int64_t selections, cudaStre
   const int64_t tokens_per_cta = (T + want - 1) / want;
   const int64_t ctas = (T + tokens_per_cta - 1) / tokens_per_cta;
   d.tokens_per_cta = static_cast<int32_t>(tokens_per_cta);
-  if constexpr (kGated) {
-    launch_dependent(&k90::moe_dispatch_count_kernel<true>, static_cast<unsigned>(ctas), k90::kDispatchThreads, 0,
-                     stream, d);
-  } else {
-    k90::moe_dispatch_count_kernel<false><<<static_cast<unsigned>(ctas), k90::kDispatchThreads, 0, stream>>>(d);
-    gpu::check_cuda(cudaGetLastError(), "moe_dispatch_count_kernel launch");
-  }
+  launch_first_dispatch_kernel<kGated>(&k90::moe_dispatch_count_kernel<kGated>, static_cast<unsigned>(ctas), 0, d,
+                                       stream, "moe_dispatch_count_kernel launch");
   launch_dependent(&k90::moe_dispatch_place_kernel<kGated>, static_cast<unsigned>(ctas), k90::kDispatchThreads, 0,
                    stream, d);
 }
