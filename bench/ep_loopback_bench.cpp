@@ -113,8 +113,7 @@ int run_ep_loopback_bench(const EpBenchOptions& opt) {
   std::vector<MoeEpLayer::StageEvents> stages(R);
   for (int r = 0; r < R; ++r) {
     check_cuda(cudaEventCreate(&ends[r]), "cudaEventCreate");
-    for (cudaEvent_t* e : {&stages[r].start, &stages[r].sent, &stages[r].computed, &stages[r].returned,
-                           &stages[r].done}) {
+    for (cudaEvent_t* e : {&stages[r].start, &stages[r].sent, &stages[r].computed, &stages[r].done}) {
       check_cuda(cudaEventCreate(e), "cudaEventCreate");
     }
   }
@@ -139,8 +138,8 @@ int run_ep_loopback_bench(const EpBenchOptions& opt) {
               "virtual rank\n", R, opt.checkpoint.empty() ? opt.preset.c_str() : ckpt_dir.c_str(),
               (long long)layer_index, (long long)H, (long long)E, k, prop.name, loopback.sms_per_rank());
   std::printf("(SM partitions of one GPU exchanging through its memory: not a multi-GPU figure)\n\n");
-  std::printf("| T/rank | layer µs | eager µs | send µs | local (wait + experts) µs | return µs | combine (wait + sum) µs | exchange share | "
-              "rel L2 | check |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
+  std::printf("| T/rank | layer µs | eager µs | send µs | local (wait + experts) µs | return + combine (wait + sum) µs | exchange share | "
+              "rel L2 | check |\n|---:|---:|---:|---:|---:|---:|---:|---:|---|\n");
   for (const int64_t T : opt.tokens_per_rank) {
     std::vector<RankInputs> in(R);
     for (int r = 0; r < R; ++r) {
@@ -160,7 +159,7 @@ int run_ep_loopback_bench(const EpBenchOptions& opt) {
 
     // Eager runs with stage events, released together as the replays below: the stages of the
     // slowest rank (by its whole run), medians.
-    std::vector<double> eager, send, local, ret, combine;
+    std::vector<double> eager, send, local, combine;
     for (int it = 0; it < opt.iters + 3; ++it) {
       released_together(it, [&](int r) { ranks[r].run(in[r].args(), loopback.stream(r), stages[r]); });
       for (int r = 0; r < R; ++r) ranks[r].check(loopback.stream(r));
@@ -175,8 +174,7 @@ int run_ep_loopback_bench(const EpBenchOptions& opt) {
       eager.push_back(slowest_us);
       send.push_back(elapsed_us(s.start, s.sent));
       local.push_back(elapsed_us(s.sent, s.computed));
-      ret.push_back(elapsed_us(s.computed, s.returned));
-      combine.push_back(elapsed_us(s.returned, s.done));
+      combine.push_back(elapsed_us(s.computed, s.done));
     }
 
     // The check: every rank's output of the last eager run, check_tokens rows each.
@@ -213,13 +211,13 @@ int run_ep_loopback_bench(const EpBenchOptions& opt) {
     }
     for (int r = 0; r < R; ++r) ranks[r].check(loopback.stream(r));
 
-    const double d = median(send), l = median(local), rt = median(ret), c = median(combine), e = median(eager);
-    const double share = (d + rt + c) / std::max(1e-9, d + l + rt + c);
-    std::printf("| %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.1f | %.0f%% | %.2e | %s |\n", (long long)T,
-                median(layer_us), e, d, l, rt, c, 100.0 * share, worst, pass ? "pass" : "FAIL");
+    const double d = median(send), l = median(local), c = median(combine), e = median(eager);
+    const double share = (d + c) / std::max(1e-9, d + l + c);
+    std::printf("| %lld | %.1f | %.1f | %.1f | %.1f | %.1f | %.0f%% | %.2e | %s |\n", (long long)T,
+                median(layer_us), e, d, l, c, 100.0 * share, worst, pass ? "pass" : "FAIL");
     std::fflush(stdout);
     points.push_back({{"tokens_per_rank", T}, {"layer_us", median(layer_us)}, {"eager_us", e}, {"send_us", d},
-                      {"local_us", l}, {"return_us", rt}, {"combine_us", c}, {"exchange_share", share},
+                      {"local_us", l}, {"combine_us", c}, {"exchange_share", share},
                       {"rel_l2", worst}, {"pass", pass}});
   }
   if (!opt.json.empty()) {
@@ -234,7 +232,7 @@ int run_ep_loopback_bench(const EpBenchOptions& opt) {
   }
   for (cudaEvent_t e : ends) cudaEventDestroy(e);
   for (auto& s : stages) {
-    for (cudaEvent_t e : {s.start, s.sent, s.computed, s.returned, s.done}) cudaEventDestroy(e);
+    for (cudaEvent_t e : {s.start, s.sent, s.computed, s.done}) cudaEventDestroy(e);
   }
   cudaEventDestroy(release);
   cudaStreamDestroy(kick);

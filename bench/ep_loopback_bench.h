@@ -3,8 +3,9 @@
 // point: every rank's output checked against the CPU reference; the layer's time (CUDA-graph
 // replays of every rank released together after an L2 flush, from the release to the last rank's
 // end; median); and from eager runs released the same way with stage events
-// (MoeEpLayer::StageEvents), the stages of the slowest rank and the exchange's share (send, return,
-// and the combine with its wait; the wait for the peers' rows is inside the local stage). The ranks share
+// (MoeEpLayer::StageEvents), the stages of the slowest rank and the exchange's share (send, and the
+// return with the combine and its wait, one kernel; the wait for the peers' rows is inside the
+// local stage). The ranks share
 // one GPU's SMs and HBM and exchange through its memory: a debugging and regression figure, not
 // a multi-GPU one.
 #pragma once

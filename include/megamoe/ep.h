@@ -192,10 +192,10 @@ class MoeEpLayer {
   void run(const MoeRunArgs& args, cudaStream_t stream);
   // The same, recording `stages` on `stream` between the stages, for benchmarks (eager runs, not
   // graph capture): start→sent the send; sent→computed the shared expert and the rank's experts,
-  // including the wait for the peers' rows; computed→returned the return; returned→done the
-  // wait for the peers' partial sums and the combine.
+  // including the wait for the peers' rows; computed→done the return (which runs in the
+  // combine's kernel), the wait for the peers' partial sums and the combine.
   struct StageEvents {
-    cudaEvent_t start, sent, computed, returned, done;
+    cudaEvent_t start, sent, computed, done;
   };
   void run(const MoeRunArgs& args, cudaStream_t stream, const StageEvents& stages);
 
@@ -206,8 +206,11 @@ class MoeEpLayer {
   //                                  destination's gate may open a little before it)
   //   gate_begin/gate_open           the local dispatch starts waiting for every source's rows /
   //                                  has them (the local experts run from here)
-  //   return_begin/return_end        the local experts are done (their combine wrote every
-  //                                  partial sum into its source's buffer) / every source is told
+  //   return_begin/return_end        the combine kernel's first CTA starts the return (the local
+  //                                  experts are done: their combine wrote every partial sum
+  //                                  into its source's buffer) / has told every source (just
+  //                                  after its release stores, so the partial sums may arrive
+  //                                  first); they may precede combine_begin (CTA 0's)
   //   combine_begin/partials_arrived the combine starts / has every destination's partial sums
   //   combine_end                    the combine's last CTA ends the run
   // Synchronises `stream`. At world size 1 (no exchange) every stamp is 0.

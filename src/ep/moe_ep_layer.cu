@@ -158,7 +158,6 @@ std::shared_ptr<EpGroup::Impl> make_group(const EpConfig& config, int64_t hidden
   // which may be a peer's spin-wait for this very launch (the loopback's ranks share a GPU).
   cudaFuncAttributes attributes{};
   check_cuda(cudaFuncGetAttributes(&attributes, &k90::ep_send_kernel), "load ep_send_kernel");
-  check_cuda(cudaFuncGetAttributes(&attributes, &k90::ep_return_kernel), "load ep_return_kernel");
   check_cuda(cudaFuncGetAttributes(&attributes, &k90::ep_combine_kernel), "load ep_combine_kernel");
 
   g->state = g->mem.alloc<k90::EpState>(1);
@@ -447,7 +446,6 @@ void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const S
       megamoe::run(*m.routed_plan, *m.routed_weights, local, stream);
     }
     mark(&StageEvents::computed);
-    mark(&StageEvents::returned);
     mark(&StageEvents::done);
     return;
   }
@@ -531,8 +529,7 @@ void MoeEpLayer::run_stages(const MoeRunArgs& args, cudaStream_t stream, const S
     runtime::run_gated(*m.routed_plan, *m.routed_weights, local, gated, stream);
     mark(&StageEvents::computed);
 
-    runtime::launch_dependent(&k90::ep_return_kernel, 1, 32, 0, stream, p);
-    mark(&StageEvents::returned);
+    // The return (publish_return) and the combine, one kernel.
     const unsigned combine_blocks = static_cast<unsigned>(std::clamp<int64_t>(args.tokens, 1, 1024));
     runtime::launch_dependent(&k90::ep_combine_kernel, combine_blocks, k90::kExchangeThreads, 0, stream, p);
     mark(&StageEvents::done);

@@ -277,14 +277,16 @@ TEST(GpuEpLoopback, WideRowsCrossInSeveralPasses) {
   for (int r = 0; r < R; ++r) {
     const MoeEpLayer::StageStamps st = lb.ranks[r].stage_stamps(lb.loopback.stream(r));
     EXPECT_GT(st.send_begin, 0u) << "rank " << r;
-    // Each kernel's end follows its start (send_end is stamped after the release stores, so the
-    // gate may open first); the return's and the combine's grids wait for the kernels before them.
+    // Each stage's end follows its start (send_end and return_end are stamped after their release
+    // stores, so the gate may open, and the partial sums arrive, first); the combine's grid, which
+    // runs the return, waits for the local experts.
     EXPECT_LE(st.send_begin, st.send_end) << "rank " << r;
     EXPECT_LE(st.send_begin, st.gate_open) << "rank " << r;
     EXPECT_LE(st.gate_begin, st.gate_open) << "rank " << r;
     EXPECT_LE(st.gate_open, st.return_begin) << "rank " << r;
+    EXPECT_LE(st.gate_open, st.combine_begin) << "rank " << r;
     EXPECT_LE(st.return_begin, st.return_end) << "rank " << r;
-    EXPECT_LE(st.return_end, st.combine_begin) << "rank " << r;
+    EXPECT_LE(st.return_begin, st.partials_arrived) << "rank " << r;
     EXPECT_LE(st.combine_begin, st.partials_arrived) << "rank " << r;
     EXPECT_LE(st.partials_arrived, st.combine_end) << "rank " << r;
   }
@@ -681,7 +683,7 @@ TEST(GpuEpLoopback, AHostFailureMidRunIsLatched) {
   gpu::check_cuda(cudaDeviceSynchronize(), "inputs");
   cudaEvent_t start = nullptr;
   gpu::check_cuda(cudaEventCreate(&start), "cudaEventCreate");
-  const MoeEpLayer::StageEvents bad{start, nullptr, nullptr, nullptr, nullptr};
+  const MoeEpLayer::StageEvents bad{start, nullptr, nullptr, nullptr};
   EXPECT_THROW(lb.ranks[0].run(io[0].args(), lb.loopback.stream(0), bad), Error);
   lb.ranks[1].run(io[1].args(), lb.loopback.stream(1));
   EXPECT_MEGAMOE_ERROR(lb.ranks[0].check(lb.loopback.stream(0)), kCuda, "after it had started the exchange");

@@ -127,7 +127,8 @@ k90::W4a16GemmParams l2_params(const PipelineRun& r, const MoeConfig& cfg, const
 void run_sm90_w4a16(const MoePlan& plan, const Sm90PrepackedWeights& w, const MoeRunArgs& args, cudaStream_t stream,
                     const GatedTokens* gated) {
   const MoeProblem& p = plan.problem();
-  // Gated: configured and sized for the tokens expected; the dispatch path for the bound.
+  // Gated: configured for the tokens expected (the hint); the grids and the dispatch path for the
+  // bound, args.tokens.
   const int64_t expected = gated != nullptr ? std::max<int64_t>(1, gated->hint) : args.tokens;
   MoeConfig cfg = moe_config(plan, expected);
   // Gated rows start early in the fused launch only (early_schedule_gated), with no shared
@@ -136,8 +137,14 @@ void run_sm90_w4a16(const MoePlan& plan, const Sm90PrepackedWeights& w, const Mo
     cfg.early_start = false;
   }
   // A gated run's slots are known only on the device: L1 does not split K (the partial buffer and
-  // the arrival counters the dispatch zeroes are sized by slots).
-  if (gated != nullptr) cfg.l1.k_splits = 1;
+  // the arrival counters the dispatch zeroes are sized by slots), and the fused grid is not held to
+  // the hint's L1 share per SM. A grid sized or capped for the hint runs the items of the rows past
+  // it in a second wave, and at expert parallelism the busiest rank, which the layer waits for,
+  // usually receives more than the hint (docs/perf/2026-11-29-h200-w4a16-v45.md).
+  if (gated != nullptr) {
+    cfg.l1.k_splits = 1;
+    cfg.fused_ctas_per_sm = 0;
+  }
   const WorkspaceLayout layout = workspace_layout(p);
   const PipelineRun r = PipelineRun::make(p, args, layout, cfg.early_start, gated ? &gated->gate : nullptr);
 
@@ -146,8 +153,8 @@ void run_sm90_w4a16(const MoePlan& plan, const Sm90PrepackedWeights& w, const Mo
 
   const k90::W4a16GemmParams g1 = l1_params(r, cfg, w, d, expected);
   const k90::W4a16GemmParams g2 = l2_params(r, cfg, w, d, expected);
-  const int64_t l1_work = max_work_items(r, cfg.l1, d.l1_m_tiles, expected);
-  const int64_t l2_work = max_work_items(r, cfg.l2, d.l2_m_tiles, expected);
+  const int64_t l1_work = max_work_items(r, cfg.l1, d.l1_m_tiles, args.tokens);
+  const int64_t l2_work = max_work_items(r, cfg.l2, d.l2_m_tiles, args.tokens);
   if (cfg.fused) {
     k90::W4a16FusedParams f{};
     f.l1 = g1;

@@ -8,7 +8,7 @@
 //             experts on the rows that arrived, nothing more; the shared expert on its own tokens;
 //   return    the local combine writes each received row's fp32 partial sum straight into its
 //             source's return slot (a fixed slot: the source's row; runtime::ReturnRows), then
-//             one {epoch} done word per source;
+//             the combine kernel's first CTA publishes one {epoch} done word per source;
 //   combine   waits for the R done words, sums the partials in rank order, adds the shared
 //             expert, rounds once: bitwise the same whatever the arrival order.
 // Epochs advance once per run in device memory (EpState), so graph replays stay in step and no
@@ -45,7 +45,9 @@ enum EpStamp : int {
 // A layer's exchange state on its own GPU (device memory, zero at creation).
 struct EpState {
   uint64_t epoch;                  // runs completed
-  uint32_t send_ctas, combine_ctas, unused[2];
+  uint32_t send_ctas, combine_ctas;
+  uint32_t returned;               // the last run (epoch, low 32 bits) whose return was published
+  uint32_t unused;
   int32_t sent[ep::kMaxRanks];     // rows sent to each destination this run
   int32_t rows;                    // rows this rank's gate let through this run
   int32_t failed;                  // SignalFailure::failed
@@ -236,33 +238,43 @@ __global__ void __launch_bounds__(kExchangeThreads) ep_send_kernel(EpExchangePar
   }
 }
 
-// One warp, after the local combine (PDL), which wrote every received row's partial sum straight
-// into its source's return slot (runtime::ReturnRows): resets the receive count (every source's
-// rows of this run have been reserved: the gate saw their words) and publishes {epoch} to every
-// source. The combine's stores, peers' included, are complete once its grid is (the wait below),
-// and each done word is a system-scope release after them.
-__global__ void __launch_bounds__(32) ep_return_kernel(EpExchangeParams p) {
-  grid_dependency_wait();
-  ep_detail::stamp_first(p, kStampReturnBegin);
-  const uint64_t epoch = ep_detail::run_epoch(p);
+namespace ep_detail {
+
+// The return, by the combine's first CTA to run (thread 0 claims it; every thread calls this):
+// the local combine, which this grid's dependency wait follows, wrote every received row's partial
+// sum straight into its source's return slot (runtime::ReturnRows), and its stores, peers'
+// included, are complete once its grid is. Resets the receive count (every source's rows of this
+// run were reserved: the gate saw their words), then publishes {epoch} into every source's done
+// word for this rank, each a system-scope release after them. The first CTA to run, not CTA 0: a
+// grid larger than its SMs hold (a loopback rank's partition) runs CTA 0 only once others exit.
+__device__ __forceinline__ void publish_return(const EpExchangeParams& p, uint64_t epoch) {
+  __shared__ bool first;
   if (threadIdx.x == 0) {
-    *reinterpret_cast<volatile unsigned long long*>(p.peers.flags[p.peers.rank] + ep::kRecvCountWord) = 0;
+    const uint32_t run = static_cast<uint32_t>(epoch);
+    first = atomicExch(&p.state->returned, run) != run;
+    if (first) {
+      p.state->stamps[kStampReturnBegin] = ptx::stamp_ns();
+      *reinterpret_cast<volatile unsigned long long*>(p.peers.flags[p.peers.rank] + ep::kRecvCountWord) = 0;
+    }
   }
-  __syncwarp();  // the reset, before the done words' release
-  if (threadIdx.x < p.peers.world && !signal_failed(p.failure)) {
+  __syncthreads();  // the reset, before the done words' release
+  if (first && threadIdx.x < p.peers.world && !signal_failed(p.failure)) {
     ptx::st_release_sys(p.peers.flags[threadIdx.x] + ep::kDoneWord + p.peers.rank, signal_word(epoch, 0));
   }
-  if (threadIdx.x == 0) p.state->stamps[kStampReturnEnd] = ptx::stamp_ns();
+  if (first && threadIdx.x == 0) p.state->stamps[kStampReturnEnd] = ptx::stamp_ns();
 }
 
-// One CTA per token of this rank (at least one CTA: the last ends the run's epoch): waits for
-// every rank's done word, then Σ over the ranks that hold any of its experts, in rank order, of
+}  // namespace ep_detail
+
+// One CTA per token of this rank (at least one CTA: the last ends the run's epoch), after the
+// local combine (PDL): the return (publish_return), then waits for every rank's done word, then Σ over the ranks that hold any of its experts, in rank order, of
 // their partial sums, then the shared expert, rounded to bf16 once. Each thread sums up to
 // kExchangeVecs vectors of 4 per pass, every rank's loads of a pass issued before its stores.
 __global__ void __launch_bounds__(kExchangeThreads) ep_combine_kernel(EpExchangeParams p) {
-  grid_dependency_wait();  // the shared expert's output (and the return) are complete from here on
+  grid_dependency_wait();  // the shared expert's output and the local combine are complete from here on
   const uint64_t epoch = ep_detail::run_epoch(p);
   ep_detail::stamp_first(p, kStampCombineBegin);
+  ep_detail::publish_return(p, epoch);
   // The first token's ranks while the partial sums are still on their way.
   uint32_t mask = ep_detail::token_owners(p, blockIdx.x);
   if (threadIdx.x == 0) {
