@@ -186,6 +186,7 @@ int run_bench(const BenchOptions& opt) {
   tuning.early_start = opt.early_start;
   tuning.absorbing_tile = opt.absorbing_tile;
   tuning.l1_k_splits = opt.l1_k_splits;
+  tuning.fused_ctas_per_sm = opt.fused_ctas_per_sm;
   tuning.l1_tile = opt.l1_tile;
   tuning.l2_tile = opt.l2_tile;
   const MoePlan plan = MoePlan::create(problem, tuning);

@@ -35,6 +35,7 @@ struct BenchOptions {
   std::optional<bool> early_start;  // MoeTuning override (unset: the heuristic's choice)
   std::optional<bool> absorbing_tile;  // MoeTuning override (unset: the heuristic's choice)
   std::optional<int> l1_k_splits;      // MoeTuning override (unset: the heuristic's choice)
+  std::optional<int> fused_ctas_per_sm;  // MoeTuning override (unset: the heuristic's choice)
   std::optional<std::string> l1_tile;  // MoeTuning override: a tile table row's name (unset: the heuristic's)
   std::optional<std::string> l2_tile;  // MoeTuning override: a tile table row's name (unset: the heuristic's)
   // The --precision plan's MoeTuning l1_tile / l2_tile (the W4A8 tile table's names).

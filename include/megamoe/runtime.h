@@ -74,6 +74,10 @@ struct MoeTuning {
   // most 64 slots (T * (top_k + shared slices)) and H / 64 a multiple of it; a gated run keeps L1
   // whole. Unset: the heuristic's choice.
   std::optional<int> l1_k_splits;
+  // sm_90 w4a16: CTAs per SM of the fused launch's grid, in place of the heuristic's (the
+  // kernel's occupancy, or L1's items per SM where that is fewer); the occupancy still caps it.
+  // Only where the layer runs the fused launch at T. Unset: the heuristic's choice.
+  std::optional<int> fused_ctas_per_sm;
 };
 
 // The stacked NVFP4 expert layout inference engines keep on the GPU (docs/design.md §2): DEVICE

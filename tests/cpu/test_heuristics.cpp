@@ -348,6 +348,11 @@ TEST(Heuristics, L1SplitOverride) {
   EXPECT_EQ(dsv3.fused_ctas_per_sm, 0);
   EXPECT_EQ(tuned_moe_config(routed, 1, 132, kH200, whole).fused_ctas_per_sm, 4);
   EXPECT_EQ(tuned_moe_config(routed, 4096, 132, kH200, split2).l1.k_splits, 1);  // the absorbing tile
+  MoeTuning ctas = split2;  // MoeTuning::fused_ctas_per_sm sizes the fused grid, and only that
+  ctas.fused_ctas_per_sm = 4;
+  EXPECT_EQ(tuned_moe_config(routed, 1, 132, kH200, ctas).fused_ctas_per_sm, 4);
+  EXPECT_EQ(tuned_moe_config(routed, 1, 132, kH100, ctas).fused_ctas_per_sm, 4);
+  EXPECT_EQ(tuned_moe_config(qwen3, 1, 132, kH200, ctas).fused_ctas_per_sm, 0);  // two launches
   MoeTuning named = split2;
   named.l1_tile = "middle64";
   EXPECT_EQ(tuned_moe_config(qwen3, 1, 132, kH200, named).l1.k_splits, 1);

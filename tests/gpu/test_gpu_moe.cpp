@@ -132,6 +132,7 @@ struct TuningCase {
   bool fused;
   std::optional<bool> early_start = std::nullopt;
   std::optional<bool> absorbing_tile = std::nullopt;
+  std::optional<int> fused_ctas_per_sm = std::nullopt;
 };
 void PrintTo(const TuningCase& tc, std::ostream* os) { *os << tc.c.name; }
 MoeTuning tuning_of(const TuningCase& tc) {
@@ -139,6 +140,7 @@ MoeTuning tuning_of(const TuningCase& tc) {
   t.fused = tc.fused;
   t.early_start = tc.early_start;
   t.absorbing_tile = tc.absorbing_tile;
+  t.fused_ctas_per_sm = tc.fused_ctas_per_sm;
   return t;
 }
 
@@ -169,6 +171,10 @@ INSTANTIATE_TEST_SUITE_P(
         TuningCase{Case{"fused_all_on_one_expert", 192, 64, 8, 1, 13, 0, std::nullopt, 5}, true},
         TuningCase{Case{"fused_swiglu_clamp", 256, 128, 8, 2, 9, 0, 0.25f}, true},
         TuningCase{Case{"fused_T1_waiting", 512, 256, 16, 4, 1, 256}, true, false},
+        // The fused grid held to one and two CTAs per SM (MoeTuning::fused_ctas_per_sm): each CTA
+        // runs many L1 items, then L2 items that wait for other CTAs' L1 items.
+        TuningCase{Case{"fused_T16_one_cta_per_sm", 512, 256, 16, 4, 16, 256}, true, std::nullopt, std::nullopt, 1},
+        TuningCase{Case{"fused_T3_two_ctas_per_sm", 512, 256, 16, 4, 3}, true, std::nullopt, std::nullopt, 2},
         TuningCase{Case{"unfused_T3_waiting", 512, 256, 16, 4, 3, 256}, false, false},
         // Early start at its limits: 64 slots (T * (k + 8 shared slices)), 32 selections.
         TuningCase{Case{"fused_early_64_slots", 256, 64, 16, 8, 4, 512}, true},
@@ -287,6 +293,15 @@ TEST(GpuMoe, RejectsTuningThatCannotRun) {
   EXPECT_THROW(moe_config(MoePlan::create(p, t), 512), Error);  // 128 tokens per expert: no fused kernel
   t.fused = false;
   EXPECT_FALSE(moe_config(MoePlan::create(p, t), 8).fused);
+  MoeTuning ctas;
+  ctas.fused = true;
+  ctas.fused_ctas_per_sm = 3;
+  EXPECT_EQ(moe_config(MoePlan::create(p, ctas), 8).fused_ctas_per_sm, 3);
+  ctas.fused_ctas_per_sm = 0;
+  EXPECT_THROW(moe_config(MoePlan::create(p, ctas), 8), Error);
+  ctas.fused = false;  // two launches: no fused grid to size
+  ctas.fused_ctas_per_sm = 2;
+  EXPECT_THROW(moe_config(MoePlan::create(p, ctas), 8), Error);
   MoeTuning early;
   early.early_start = true;
   EXPECT_TRUE(moe_config(MoePlan::create(p, early), 16).early_start);  // 32 selections

@@ -59,7 +59,8 @@ bench::EpBenchOptions ep_options(const bench::BenchOptions& b, const EpCli& e, c
   auto given = [&](const char* name) { return app.count(name) > 0; };
   MEGAMOE_CHECK(!given("--tokens"), kInvalidArgument,
                 "bench --ep: --tokens is the single-GPU token list; with --ep give --tokens-per-rank");
-  for (const char* name : {"--fused", "--absorbing-tile", "--l1-tile", "--l2-tile", "--l1-k-splits"}) {
+  for (const char* name : {"--fused", "--absorbing-tile", "--l1-tile", "--l2-tile", "--l1-k-splits",
+                           "--fused-ctas-per-sm"}) {
     MEGAMOE_CHECK(!given(name), kInvalidArgument, "bench --ep: ", name,
                   " overrides the single-GPU heuristic; the expert-parallel layer takes no tuning overrides but "
                   "--early-start off");
@@ -232,6 +233,11 @@ Command add_bench_command(CLI::App& parent) {
          "override the heuristic: L1's K slices on the decode tiles (1 keeps L1 whole, up to 4; the last slice "
          "to finish runs the SwiGLU; at most 64 slots T * (top_k + shared slices))")
       ->check(CLI::Range(1, 4));
+  app->add_option_function<int>(
+         "--fused-ctas-per-sm", [opt](int n) { opt->fused_ctas_per_sm = n; },
+         "override the heuristic: CTAs per SM of the fused launch's grid (the kernel's occupancy caps it; only "
+         "at the T where the layer runs the fused launch)")
+      ->check(CLI::Range(1, 16));
   for (auto [flag, field, gemm] : {std::tuple{"--l1-tile", &opt->l1_tile, "L1 (x W13, SwiGLU)"},
                                    std::tuple{"--l2-tile", &opt->l2_tile, "L2 (act W2, combine)"}}) {
     app->add_option_function<std::string>(

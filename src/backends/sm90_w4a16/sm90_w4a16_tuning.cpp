@@ -107,6 +107,7 @@ MoeConfig tuned_moe_config(const MoeProblem& problem, int64_t tokens, int num_sm
     cfg.l1.k_splits = tile >= 0 && l1_splits(kW4a16Tiles[tile]) ? *tuning.l1_k_splits : 1;
   }
   cfg.fused_ctas_per_sm = heuristic::fused_ctas_per_sm(problem, num_sms, cfg, tiles, device);
+  if (tuning.fused_ctas_per_sm && cfg.fused) cfg.fused_ctas_per_sm = *tuning.fused_ctas_per_sm;
   return cfg;
 }
 
@@ -157,6 +158,11 @@ MoeConfig moe_config(const MoePlan& plan, int64_t tokens) {
                   ": needs at most ", w4a16_split::kL1SplitMaxSlots, " slots (T=", tokens, " has ", slots,
                   ") and H / 64 = ", p.hidden_size / 64, " a multiple of it");
   }
+  MEGAMOE_CHECK(!tuning.fused_ctas_per_sm || *tuning.fused_ctas_per_sm >= 1, kInvalidArgument,
+                "MoeTuning.fused_ctas_per_sm = ", tuning.fused_ctas_per_sm.value_or(0), " must be at least 1");
+  MEGAMOE_CHECK(!tuning.fused_ctas_per_sm || cfg.fused, kInvalidArgument,
+                "MoeTuning.fused_ctas_per_sm sizes the fused launch's grid; at T=", tokens, " the layer runs ",
+                cfg.to_string(), " (two launches): leave it unset there, or set fused = true");
   MEGAMOE_CHECK(!named_tiles || !tuning.fused || !*tuning.fused || cfg.fused, kInvalidArgument,
                 "MoeTuning.fused = true with named tiles needs both GEMMs on one fusable tile (",
                 kW4a16Tiles[kTileDecode16].name, " or ", kW4a16Tiles[kTileDecode32].name, "); they are ", cfg.to_string());
