@@ -137,14 +137,12 @@ void run_sm90_w4a16(const MoePlan& plan, const Sm90PrepackedWeights& w, const Mo
     cfg.early_start = false;
   }
   // A gated run's slots are known only on the device: L1 does not split K (the partial buffer and
-  // the arrival counters the dispatch zeroes are sized by slots), and the fused grid is not held to
-  // the hint's L1 share per SM. A grid sized or capped for the hint runs the items of the rows past
-  // it in a second wave, and at expert parallelism the busiest rank, which the layer waits for,
-  // usually receives more than the hint (docs/perf/2026-11-29-h200-w4a16-v45.md).
-  if (gated != nullptr) {
-    cfg.l1.k_splits = 1;
-    cfg.fused_ctas_per_sm = 0;
-  }
+  // the arrival counters the dispatch zeroes are sized by slots), and the grids (below) are sized
+  // for the bound, args.tokens: sized for the hint, they ran the items of the rows past it in a
+  // second wave, and the busiest rank, which the layer waits for, usually receives more. The
+  // fused grid keeps the hint's cap on CTAs per SM, which measured faster lifted or not
+  // (docs/perf/2026-11-29-h200-w4a16-v45.md).
+  if (gated != nullptr) cfg.l1.k_splits = 1;
   const WorkspaceLayout layout = workspace_layout(p);
   const PipelineRun r = PipelineRun::make(p, args, layout, cfg.early_start, gated ? &gated->gate : nullptr);
 
