@@ -217,7 +217,7 @@ int run_ep_loopback_bench(const EpBenchOptions& opt) {
                 median(layer_us), e, d, l, c, 100.0 * share, worst, pass ? "pass" : "FAIL");
     std::fflush(stdout);
     points.push_back({{"tokens_per_rank", T}, {"layer_us", median(layer_us)}, {"eager_us", e}, {"send_us", d},
-                      {"local_us", l}, {"combine_us", c}, {"exchange_share", share},
+                      {"local_us", l}, {"return_combine_us", c}, {"exchange_share", share},
                       {"rel_l2", worst}, {"pass", pass}});
   }
   if (!opt.json.empty()) {

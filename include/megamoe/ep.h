@@ -206,9 +206,9 @@ class MoeEpLayer {
   //                                  destination's gate may open a little before it)
   //   gate_begin/gate_open           the local dispatch starts waiting for every source's rows /
   //                                  has them (the local experts run from here)
-  //   return_begin/return_end        the combine kernel's first CTA starts the return (the local
-  //                                  experts are done: their combine wrote every partial sum
-  //                                  into its source's buffer) / has told every source (just
+  //   return_begin/return_end        the combine kernel's first CTA has claimed the return (the
+  //                                  local experts are done: their combine wrote every partial
+  //                                  sum into its source's buffer) / has told every source (just
   //                                  after its release stores, so the partial sums may arrive
   //                                  first); they may precede combine_begin (CTA 0's)
   //   combine_begin/partials_arrived the combine starts / has every destination's partial sums

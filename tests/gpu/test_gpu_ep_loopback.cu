@@ -637,6 +637,31 @@ TEST(GpuEpLoopback, GraphReplaysAreBitwiseIdentical) {
   expect_matches_reference(layer, io, "after 10,000 replays");
 }
 
+// Combine grids of more CTAs than a rank's partition holds at once (one per token, 256 threads:
+// at most 8 per SM): the CTA that runs first, not CTA 0, publishes the return, and the CTAs that
+// wait for a slot run once the resident ones finish. Several runs, so the claim moves with the
+// epoch.
+TEST(GpuEpLoopback, CombineGridsLargerThanAPartition) {
+  MEGAMOE_REQUIRE_GPU();
+  const testing::SeedTrace seed;
+  testing::Rng rng(seed);
+  const int64_t H = 128, I = 64, E = 16, max_t = 600;
+  const int k = 2, R = 8;
+  if (!loopback_available(R)) return;
+  const MoeLayer layer = testing::random_layer(rng, H, I, E, k, 128);
+  LoopbackLayer lb(layer, R, max_t, /*deterministic=*/false);
+  ASSERT_LT(int64_t{8} * lb.loopback.sms_per_rank(), max_t) << "a partition would hold the whole combine grid";
+  for (int round = 0; round < 3; ++round) {
+    std::vector<int64_t> tokens(R);
+    for (int r = 0; r < R; ++r) tokens[r] = rng.uniform_int(0, static_cast<int>(max_t));
+    tokens[round] = max_t;
+    tokens[R - 1 - round] = 0;
+    std::vector<RankIo> io = draw_inputs(rng, tokens, H, E, k);
+    lb.run(io);
+    expect_matches_reference(layer, io, "round " + std::to_string(round));
+  }
+}
+
 // A rank that never runs: every rank that does fails within about one timeout, naming the stage,
 // and nothing hangs.
 TEST(GpuEpLoopback, ARankThatNeverArrivesFailsLoudly) {

@@ -140,7 +140,7 @@ void run_sm90_w4a16(const MoePlan& plan, const Sm90PrepackedWeights& w, const Mo
   // the arrival counters the dispatch zeroes are sized by slots), and the grids (below) are sized
   // for the bound, args.tokens: sized for the hint, they ran the items of the rows past it in a
   // second wave, and the busiest rank, which the layer waits for, usually receives more. The
-  // fused grid keeps the hint's cap on CTAs per SM, which measured faster lifted or not
+  // fused grid keeps the hint's cap on CTAs per SM: lifted, it measured slower
   // (docs/perf/2026-11-29-h200-w4a16-v45.md).
   if (gated != nullptr) cfg.l1.k_splits = 1;
   const WorkspaceLayout layout = workspace_layout(p);

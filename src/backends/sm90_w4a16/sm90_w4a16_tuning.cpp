@@ -160,9 +160,6 @@ MoeConfig moe_config(const MoePlan& plan, int64_t tokens) {
   }
   MEGAMOE_CHECK(!tuning.fused_ctas_per_sm || *tuning.fused_ctas_per_sm >= 1, kInvalidArgument,
                 "MoeTuning.fused_ctas_per_sm = ", tuning.fused_ctas_per_sm.value_or(0), " must be at least 1");
-  MEGAMOE_CHECK(!tuning.fused_ctas_per_sm || cfg.fused, kInvalidArgument,
-                "MoeTuning.fused_ctas_per_sm sizes the fused launch's grid; at T=", tokens, " the layer runs ",
-                cfg.to_string(), " (two launches): leave it unset there, or set fused = true");
   MEGAMOE_CHECK(!named_tiles || !tuning.fused || !*tuning.fused || cfg.fused, kInvalidArgument,
                 "MoeTuning.fused = true with named tiles needs both GEMMs on one fusable tile (",
                 kW4a16Tiles[kTileDecode16].name, " or ", kW4a16Tiles[kTileDecode32].name, "); they are ", cfg.to_string());
@@ -170,6 +167,9 @@ MoeConfig moe_config(const MoePlan& plan, int64_t tokens) {
                 "MoeTuning.fused: the fused launch is built for the 16- and 32-token decode tiles (",
                 kFusedTile.to_string(), ", ", kFusedTile32.to_string(), ") in both GEMMs, up to 24 tokens per expert; at T=",
                 tokens, " the heuristic picks ", cfg.to_string());
+  MEGAMOE_CHECK(!tuning.fused_ctas_per_sm || cfg.fused, kInvalidArgument,
+                "MoeTuning.fused_ctas_per_sm sizes the fused launch's grid; at T=", tokens, " the layer runs ",
+                cfg.to_string(), " (two launches): leave it unset there, or set fused = true");
   MEGAMOE_CHECK(!tuning.early_start || !*tuning.early_start || can_start_early(p, tokens), kInvalidArgument,
                 "MoeTuning.early_start: early start holds up to ", kEarlyStartMaxSelections,
                 " routed selections (T * top_k) and ", kEarlyStartMaxSlots,

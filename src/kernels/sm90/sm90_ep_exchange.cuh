@@ -28,7 +28,8 @@
 namespace megamoe::kernels::sm90 {
 
 // The stages' %globaltimer stamps of a run (MoeEpLayer::StageStamps, in its order): CTA 0's
-// entry, or the last CTA's end, of each exchange kernel; the gate's are the dispatch's.
+// entry, or the last CTA's end, of each exchange kernel; the gate's are the dispatch's, the
+// return's those of the combine CTA that claimed it.
 enum EpStamp : int {
   kStampSendBegin,
   kStampSendEnd,
@@ -267,8 +268,9 @@ __device__ __forceinline__ void publish_return(const EpExchangeParams& p, uint64
 }  // namespace ep_detail
 
 // One CTA per token of this rank (at least one CTA: the last ends the run's epoch), after the
-// local combine (PDL): the return (publish_return), then waits for every rank's done word, then Σ over the ranks that hold any of its experts, in rank order, of
-// their partial sums, then the shared expert, rounded to bf16 once. Each thread sums up to
+// local combine (PDL): the return (publish_return), then waits for every rank's done word, then
+// Σ over the ranks that hold any of its experts, in rank order, of their partial sums, then the
+// shared expert, rounded to bf16 once. Each thread sums up to
 // kExchangeVecs vectors of 4 per pass, every rank's loads of a pass issued before its stores.
 __global__ void __launch_bounds__(kExchangeThreads) ep_combine_kernel(EpExchangeParams p) {
   grid_dependency_wait();  // the shared expert's output and the local combine are complete from here on
