@@ -75,7 +75,8 @@ struct MoeTuning {
   // whole. Unset: the heuristic's choice.
   std::optional<int> l1_k_splits;
   // sm_90 w4a16: CTAs per SM of the fused launch's grid, in place of the heuristic's (the
-  // kernel's occupancy, or L1's items per SM where that is fewer); the occupancy still caps it.
+  // kernel's occupancy, or L1's items per SM where that is fewer); the tile's occupancy caps it
+  // (MoePlan::describe names the grid that runs).
   // Only where the layer runs the fused launch at T. Unset: the heuristic's choice.
   std::optional<int> fused_ctas_per_sm;
 };

@@ -353,6 +353,8 @@ TEST(Heuristics, L1SplitOverride) {
   EXPECT_EQ(tuned_moe_config(routed, 1, 132, kH200, ctas).fused_ctas_per_sm, 4);
   EXPECT_EQ(tuned_moe_config(routed, 1, 132, kH100, ctas).fused_ctas_per_sm, 4);
   EXPECT_EQ(tuned_moe_config(qwen3, 1, 132, kH200, ctas).fused_ctas_per_sm, 0);  // two launches
+  ctas.fused_ctas_per_sm = 16;  // past the tile's occupancy: the launch's cap
+  EXPECT_EQ(tuned_moe_config(routed, 1, 132, kH200, ctas).fused_ctas_per_sm, kFusedTileCtasPerSm);
   MoeTuning named = split2;
   named.l1_tile = "middle64";
   EXPECT_EQ(tuned_moe_config(qwen3, 1, 132, kH200, named).l1.k_splits, 1);

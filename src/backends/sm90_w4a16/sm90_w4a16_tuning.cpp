@@ -3,6 +3,7 @@
 // the device figures the heuristic reads (current_device_figures).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <mutex>
 #include <string>
 
@@ -107,7 +108,12 @@ MoeConfig tuned_moe_config(const MoeProblem& problem, int64_t tokens, int num_sm
     cfg.l1.k_splits = tile >= 0 && l1_splits(kW4a16Tiles[tile]) ? *tuning.l1_k_splits : 1;
   }
   cfg.fused_ctas_per_sm = heuristic::fused_ctas_per_sm(problem, num_sms, cfg, tiles, device);
-  if (tuning.fused_ctas_per_sm && cfg.fused) cfg.fused_ctas_per_sm = *tuning.fused_ctas_per_sm;
+  // The override, at most the fused tile's occupancy (the launch's cap), so that the configuration
+  // names the grid that runs.
+  if (tuning.fused_ctas_per_sm && cfg.fused) {
+    const int occupancy = kW4a16Tiles[find_w4a16_tile(cfg.l1)].ctas_per_sm;
+    cfg.fused_ctas_per_sm = std::min(*tuning.fused_ctas_per_sm, occupancy);
+  }
   return cfg;
 }
 
