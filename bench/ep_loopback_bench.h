@@ -5,9 +5,8 @@
 // end; median); and from eager runs released the same way with stage events
 // (MoeEpLayer::StageEvents), the stages of the slowest rank and the exchange's share (send, and the
 // return with the combine and its wait, one kernel; the wait for the peers' rows is inside the
-// local stage). The ranks share
-// one GPU's SMs and HBM and exchange through its memory: a debugging and regression figure, not
-// a multi-GPU one.
+// local stage). The ranks share one GPU's SMs and HBM and exchange through its memory: a debugging
+// and regression figure, not a multi-GPU one.
 #pragma once
 
 #include "bench/ep_bench_model.h"

@@ -270,8 +270,8 @@ __device__ __forceinline__ void publish_return(const EpExchangeParams& p, uint64
 // One CTA per token of this rank (at least one CTA: the last ends the run's epoch), after the
 // local combine (PDL): the return (publish_return), then waits for every rank's done word, then
 // Σ over the ranks that hold any of its experts, in rank order, of their partial sums, then the
-// shared expert, rounded to bf16 once. Each thread sums up to
-// kExchangeVecs vectors of 4 per pass, every rank's loads of a pass issued before its stores.
+// shared expert, rounded to bf16 once. Each thread sums up to kExchangeVecs vectors of 4 per
+// pass, every rank's loads of a pass issued before its stores.
 __global__ void __launch_bounds__(kExchangeThreads) ep_combine_kernel(EpExchangeParams p) {
   grid_dependency_wait();  // the shared expert's output and the local combine are complete from here on
   const uint64_t epoch = ep_detail::run_epoch(p);
